@@ -1,0 +1,275 @@
+"""The speculative decode loop: prefill, then draft -> verify -> accept -> rollback, streaming.
+
+One cycle: the drafter proposes K = B-1 tokens after the anchor (the last committed token); the
+target scores ``[anchor] + drafts`` in one pass; the acceptance rule keeps ``a`` drafts plus one
+token of the target's own; both caches drop what was not kept. One host sync per cycle.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Generator, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream, wired_limit
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .accept import SamplingParams, greedy_accept, rejection_accept, sample_first, sampling_logits
+from .drafters import check_fits
+from .target import Target
+
+DEFAULT_PREFILL_STEP = 2048
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prompt_tps: float = 0.0
+    generation_tps: float = 0.0
+    cycles: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    block_size: int = 1
+    peak_memory: float = 0.0  # GB
+    acceptance_lengths: list[int] = field(default_factory=list)  # per cycle: accepted + 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per target pass (accepted drafts + the target's own token)."""
+        n = len(self.acceptance_lengths)
+        return sum(self.acceptance_lengths) / n if n else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"prompt {self.prompt_tokens} tok @ {self.prompt_tps:.1f} tok/s | "
+            f"generated {self.generation_tokens} tok @ {self.generation_tps:.1f} tok/s | "
+            f"mean acceptance length {self.mean_acceptance_length:.2f} (block {self.block_size})"
+            f" | peak memory {self.peak_memory:.2f} GB"
+        )
+
+
+@dataclass
+class GenerationResponse:
+    text: str  # the new text segment
+    tokens: list[int]  # the new token ids
+    accepted: int  # drafted tokens accepted in this cycle
+    stats: GenerationStats
+    finish_reason: str | None = None  # "stop" | "length" on the last response
+
+    # mlx-lm style accessors for the run statistics.
+    @property
+    def prompt_tokens(self) -> int:
+        return self.stats.prompt_tokens
+
+    @property
+    def generation_tokens(self) -> int:
+        return self.stats.generation_tokens
+
+    @property
+    def generation_tps(self) -> float:
+        return self.stats.generation_tps
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.stats.prompt_tps
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.stats.mean_acceptance_length
+
+    @property
+    def peak_memory(self) -> float:
+        return self.stats.peak_memory
+
+
+_targets: dict[int, tuple[weakref.ref, Target]] = {}
+
+
+def as_target(model: Any) -> Target:
+    """The Target wrapper for an mlx-lm model, built (and checked) once per model object."""
+    if isinstance(model, Target):
+        return model
+    entry = _targets.get(id(model))
+    if entry is not None and entry[0]() is model:
+        return entry[1]
+    target = Target(model)
+    _targets[id(model)] = (weakref.ref(model), target)
+    return target
+
+
+def encode_prompt(tokenizer: Any, prompt: str | Sequence[int] | mx.array) -> list[int]:
+    if isinstance(prompt, str):
+        # Same rule as mlx_lm.stream_generate: no second BOS if the text already has one.
+        bos = getattr(tokenizer, "bos_token", None)
+        add_special = bos is None or not prompt.startswith(bos)
+        tokens = tokenizer.encode(prompt, add_special_tokens=add_special)
+    elif isinstance(prompt, mx.array):
+        tokens = prompt.reshape(-1).tolist()
+    else:
+        tokens = [int(t) for t in prompt]
+    if not tokens:
+        raise ValueError("the prompt is empty")
+    return tokens
+
+
+def prefill(
+    target: Target,
+    tokens: list[int],
+    cache: list[Any],
+    drafter: Any,
+    draft_cache: list[Any] | None,
+    step: int = DEFAULT_PREFILL_STEP,
+    progress: Any = None,
+) -> mx.array:
+    """Run the prompt through the target in chunks; feed its tap features to the drafter.
+
+    Returns the target's logits [V] at the last prompt position.
+    """
+    layer_ids = drafter.target_layer_ids if drafter is not None else ()
+    prompt = mx.array(tokens, dtype=mx.uint32)[None]
+    n = len(tokens)
+    for start in range(0, n, step):
+        hidden, features = target.hidden_states(prompt[:, start : start + step], cache, layer_ids)
+        if drafter is not None:
+            drafter.commit(features, draft_cache)
+        last = hidden[:, -1]
+        mx.eval([c.state for c in cache] + ([c.state for c in draft_cache] if drafter else []))
+        if progress is not None:
+            progress(min(start + step, n), n)
+    return target.lm_head(last)[0]
+
+
+def stream_generate(
+    model: Any,
+    drafter: Any,
+    tokenizer: Any,
+    prompt: str | Sequence[int] | mx.array,
+    *,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    block_size: int | None = None,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    prompt_progress: Any = None,
+) -> Generator[GenerationResponse, None, None]:
+    """Generate from ``prompt`` with speculative decoding; yields one response per cycle.
+
+    The output equals the target's own (greedy: token for token; sampled: in distribution).
+    ``drafter=None`` decodes with the target alone (one token per pass).
+    """
+    params = SamplingParams(temperature, top_p, top_k)
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    target = as_target(model)
+    if drafter is not None:
+        check_fits(drafter, target)
+    B = 1 if drafter is None else (block_size or drafter.block_size)
+    if B < 1:
+        raise ValueError(f"block_size must be >= 1, got {B}")
+    if B == 1:
+        drafter = None  # nothing to draft
+    layer_ids = drafter.target_layer_ids if drafter is not None else ()
+    stop_ids = set(tokenizer.eos_token_ids)
+    tokens = encode_prompt(tokenizer, prompt)
+    stats = GenerationStats(prompt_tokens=len(tokens), block_size=B)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+
+    def finish(reason: str) -> GenerationResponse:
+        detokenizer.finalize()
+        stats.peak_memory = mx.get_peak_memory() / 1e9
+        return GenerationResponse(detokenizer.last_segment, [], 0, stats, reason)
+
+    if max_tokens == 0:
+        yield finish("length")
+        return
+
+    with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream):
+        cache = target.make_cache()
+        draft_cache = drafter.make_cache() if drafter is not None else None
+        tic = time.perf_counter()
+        last_logits = prefill(
+            target, tokens, cache, drafter, draft_cache, prefill_step_size, prompt_progress
+        )
+        anchor = sample_first(last_logits, params)
+        first = anchor.item()
+        stats.prompt_tps = len(tokens) / (time.perf_counter() - tic)
+        tic = time.perf_counter()
+
+        new_tokens = [first]
+        accepted = 0
+        while True:
+            # Commit this cycle's tokens up to a stop token or max_tokens.
+            reason = None
+            for i, tok in enumerate(new_tokens):
+                if tok in stop_ids:
+                    new_tokens, reason = new_tokens[:i], "stop"
+                    break
+            room = max_tokens - stats.generation_tokens
+            if len(new_tokens) >= room and reason is None:
+                new_tokens, reason = new_tokens[:room], "length"
+            for tok in new_tokens:
+                detokenizer.add_token(tok)
+            stats.generation_tokens += len(new_tokens) + (reason == "stop")
+            stats.generation_tps = stats.generation_tokens / max(time.perf_counter() - tic, 1e-9)
+            if reason is not None:
+                final = finish(reason)
+                final.tokens, final.accepted = new_tokens, accepted
+                yield final
+                return
+            yield GenerationResponse(detokenizer.last_segment, new_tokens, accepted, stats)
+
+            # Draft: K tokens after the anchor; never more than can still be emitted.
+            K = min(B - 1, max_tokens - stats.generation_tokens - 1)
+            draft_probs = None
+            if K > 0:
+                draft_logits = drafter.draft_logits(target, anchor, draft_cache, B)[:K]
+                if params.greedy:
+                    drafts = mx.argmax(draft_logits, axis=-1).astype(mx.uint32)
+                else:
+                    scaled = sampling_logits(draft_logits, params)
+                    drafts = mx.random.categorical(scaled).astype(mx.uint32)
+                    draft_probs = mx.softmax(scaled, axis=-1)
+                verify_tokens = mx.concatenate([anchor, drafts])
+            else:
+                drafts = mx.zeros((0,), dtype=mx.uint32)
+                verify_tokens = anchor
+
+            # Verify: one target pass over [anchor] + drafts.
+            logits, features = target.forward(verify_tokens[None], cache, layer_ids)
+            if params.greedy:
+                accepted_len, next_tokens = greedy_accept(drafts, logits[0])
+            elif K > 0:
+                accepted_len, next_tokens = rejection_accept(drafts, draft_probs, logits[0], params)
+            else:
+                accepted_len, next_tokens = mx.array(0), sample_first(logits[0, -1], params)
+
+            # The one host sync of the cycle.
+            packed = mx.concatenate([accepted_len.astype(mx.uint32)[None], drafts, next_tokens])
+            values = packed.tolist()
+            accepted = values[0]
+            new_tokens = values[1 : 1 + accepted] + [values[1 + K + accepted]]
+
+            target.rollback(cache, K - accepted)
+            if drafter is not None:
+                drafter.commit(features[:, : accepted + 1], draft_cache)
+            anchor = next_tokens[accepted : accepted + 1]
+            stats.cycles += 1
+            stats.drafted_tokens += K
+            stats.accepted_tokens += accepted
+            stats.acceptance_lengths.append(accepted + 1)
+            if stats.cycles % 256 == 0:
+                mx.clear_cache()
+
+
+def generate(
+    model: Any, drafter: Any, tokenizer: Any, prompt: str | Sequence[int] | mx.array, **kwargs
+) -> str:
+    """Generate and return the full text (same arguments as :func:`stream_generate`)."""
+    return "".join(r.text for r in stream_generate(model, drafter, tokenizer, prompt, **kwargs))

@@ -1,0 +1,183 @@
+"""Drafter loading: read config.json, pick the family from `architectures`, load and check weights."""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .dflash import DFlashDraftModel
+from .layers import DraftArgs
+
+FAMILIES = {"DFlashDraftModel": DFlashDraftModel}
+NOT_YET = {"DFlash2DraftModel": "DFlash 2", "DSparkDraftModel": "DSpark"}
+
+
+class DrafterMismatchError(ValueError):
+    """The drafter does not fit the target (layers, hidden size, vocabulary)."""
+
+
+def resolve_path(path_or_hf_repo: str | Path) -> Path:
+    """A local directory, or a Hugging Face Hub repo id fetched with huggingface-hub."""
+    path = Path(path_or_hf_repo).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise NotADirectoryError(f"drafter path is not a directory: {path}")
+        return path
+    text = str(path_or_hf_repo)
+    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise FileNotFoundError(f"drafter directory not found: {text}")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.md"])
+        )
+    except Exception as e:  # offline, unknown repo, gated repo: say which
+        raise FileNotFoundError(
+            f"drafter '{text}' is not a local directory and could not be fetched from the "
+            f"Hugging Face Hub: {type(e).__name__}: {e}"
+        ) from e
+
+
+def load_drafter(
+    path_or_hf_repo: str | Path, model: Any = None, dtype: mx.Dtype | None = None
+) -> DFlashDraftModel:
+    """Load a drafter checkpoint (z-lab layout). If ``model`` (the target) is given, check it fits."""
+    path = resolve_path(path_or_hf_repo)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"drafter directory {path} has no config.json")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"drafter config {config_file} is not valid JSON: {e}") from e
+    arch = (config.get("architectures") or ["DFlashDraftModel"])[0]
+    if arch in NOT_YET:
+        raise NotImplementedError(f"{path}: {NOT_YET[arch]} drafters ({arch}) are not supported yet")
+    if arch not in FAMILIES:
+        raise ValueError(
+            f"{path}: unknown drafter architecture '{arch}' (supported: {', '.join(FAMILIES)})"
+        )
+    drafter = FAMILIES[arch](DraftArgs.from_config(config))
+
+    files = sorted(glob.glob(str(path / "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"drafter directory {path} has no *.safetensors weights")
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        weights.update(mx.load(f))
+    # Some exports carry the target's embedding/head; the drafter always uses the target's own.
+    weights = {
+        k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "lm_head."))
+    }
+    quant = config.get("quantization")
+    if quant:
+        nn.quantize(
+            drafter,
+            group_size=quant["group_size"],
+            bits=quant["bits"],
+            mode=quant.get("mode", "affine"),
+            class_predicate=lambda p, m: f"{p}.scales" in weights,
+        )
+    expected = {k for k, _ in tree_flatten(drafter.parameters())}
+    missing = sorted(expected - weights.keys())
+    unexpected = sorted(weights.keys() - expected)
+    if missing:
+        raise ValueError(f"drafter checkpoint {path} lacks weights: {', '.join(missing[:8])}"
+                         + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+    if unexpected:
+        raise ValueError(f"drafter checkpoint {path} has unexpected weights: "
+                         f"{', '.join(unexpected[:8])}")
+    drafter.load_weights(list(weights.items()))
+    if dtype is not None:
+        drafter.set_dtype(dtype)
+    mx.eval(drafter.parameters())
+    drafter.eval()
+    drafter.source_path = path
+    if model is not None:
+        check_fits(drafter, model)
+    return drafter
+
+
+def check_fits(drafter: DFlashDraftModel, model: Any) -> None:
+    """Raise DrafterMismatchError naming the first way the drafter does not fit the target."""
+    from ..target import Target
+
+    target = model if isinstance(model, Target) else Target(model, check=False)
+    a = drafter.args
+    ids = a.target_layer_ids
+    if not ids or min(ids) < 0 or max(ids) >= target.num_layers:
+        raise DrafterMismatchError(
+            f"drafter target_layer_ids {ids} do not fit the target's {target.num_layers} layers "
+            f"(valid ids are 0..{target.num_layers - 1})"
+        )
+    if a.num_target_layers is not None and a.num_target_layers != target.num_layers:
+        raise DrafterMismatchError(
+            f"drafter was trained for a target with num_target_layers={a.num_target_layers}, "
+            f"but the target has {target.num_layers} layers"
+        )
+    if a.hidden_size != target.hidden_size:
+        raise DrafterMismatchError(
+            f"drafter hidden_size {a.hidden_size} does not match the target's {target.hidden_size}"
+        )
+    if a.vocab_size != target.vocab_size:
+        raise DrafterMismatchError(
+            f"drafter vocab_size {a.vocab_size} does not match the target's {target.vocab_size}"
+        )
+    if not 0 <= a.mask_token_id < target.vocab_size:
+        raise DrafterMismatchError(
+            f"drafter mask_token_id {a.mask_token_id} is outside the target's vocabulary "
+            f"(size {target.vocab_size})"
+        )
+
+
+def drafter_config(drafter: DFlashDraftModel, architecture: str = "DFlashDraftModel") -> dict:
+    """The z-lab style config.json for a drafter."""
+    a = drafter.args
+    config = {
+        "architectures": [architecture],
+        "model_type": "qwen3",
+        "block_size": a.block_size,
+        "dflash_config": {"target_layer_ids": a.target_layer_ids,
+                          "mask_token_id": a.mask_token_id},
+        "hidden_size": a.hidden_size,
+        "num_hidden_layers": a.num_hidden_layers,
+        "num_attention_heads": a.num_attention_heads,
+        "num_key_value_heads": a.num_key_value_heads,
+        "head_dim": a.head_dim,
+        "intermediate_size": a.intermediate_size,
+        "vocab_size": a.vocab_size,
+        "rms_norm_eps": a.rms_norm_eps,
+        "rope_theta": a.rope_theta,
+        "rope_scaling": a.rope_scaling,
+        "max_position_embeddings": a.max_position_embeddings,
+        "num_target_layers": a.num_target_layers,
+        "tie_word_embeddings": False,
+    }
+    if a.sliding_window is not None:
+        config["layer_types"] = a.layer_types
+        config["sliding_window"] = a.sliding_window
+    return config
+
+
+def save_drafter(drafter: DFlashDraftModel, path: str | Path, extra_config: dict | None = None):
+    """Write ``config.json`` + ``model.safetensors`` in the z-lab layout (atomically)."""
+    from ..convert.atomic import atomic_output_dir
+
+    config = drafter_config(drafter)
+    config.update(extra_config or {})
+    with atomic_output_dir(Path(path), overwrite=True) as tmp:
+        weights = dict(tree_flatten(drafter.parameters()))
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return Path(path)
+
+
+__all__ = ["DFlashDraftModel", "DraftArgs", "DrafterMismatchError", "check_fits",
+           "load_drafter", "save_drafter", "drafter_config"]

@@ -1,0 +1,113 @@
+"""DFlash: a block-parallel drafter conditioned on target hidden states (z-lab layout).
+
+The drafter owns no embedding and no LM head: it embeds ``[anchor, MASK x (B-1)]`` with the
+target's embedding and reads its B-1 draft logits through the target's head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .layers import DraftArgs, DraftLayer, block_mask, make_context_cache
+
+
+class DFlashDraftModel(nn.Module):
+    family = "dflash"
+
+    def __init__(self, args: DraftArgs):
+        super().__init__()
+        self.args = args
+        n_taps = len(args.target_layer_ids)
+        self.fc = nn.Linear(n_taps * args.hidden_size, args.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.layers = [DraftLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.args.target_layer_ids
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.args.mask_token_id
+
+    def make_cache(self) -> list[Any]:
+        return make_context_cache(len(self.layers))
+
+    def fuse(self, features: mx.array) -> mx.array:
+        """Concatenated tap-layer features [.., T, taps*D] -> context hidden [.., T, D]."""
+        return self.hidden_norm(self.fc(features))
+
+    def compute_logits(self, logits: mx.array) -> mx.array:
+        a = self.args
+        if a.output_multiplier != 1.0:
+            logits = logits * a.output_multiplier
+        if a.final_logit_softcapping:
+            logits = mx.tanh(logits / a.final_logit_softcapping) * a.final_logit_softcapping
+        return logits
+
+    def commit(self, features: mx.array, cache: list[Any]) -> None:
+        """Append newly committed positions' target features [1, n, taps*D] to the context."""
+        ctx = self.fuse(features)
+        for layer, c in zip(self.layers, cache):
+            c.update_and_fetch(*layer.self_attn.context_kv(ctx, c.offset))
+
+    def __call__(self, block_embeds: mx.array, cache: list[Any]) -> mx.array:
+        """Inference pass of one block [1, B, D] over the cached context; final-norm hidden."""
+        h = block_embeds
+        B = h.shape[1]
+        for layer, c in zip(self.layers, cache):
+            keys, values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+            mask = block_mask(c.offset, B, c.offset, layer.sliding_window, layer.is_causal)
+            h = layer(h, keys, values, c.offset, mask)
+        return self.norm(h)
+
+    def draft_logits(
+        self,
+        target: Any,
+        anchor: mx.array,
+        cache: list[Any],
+        block_size: int,
+    ) -> mx.array:
+        """Draft logits [B-1, V] for the positions after ``anchor`` (a [1] int array)."""
+        mask_ids = mx.full((block_size - 1,), self.args.mask_token_id, dtype=anchor.dtype)
+        block = mx.concatenate([anchor, mask_ids])[None]
+        embeds = target.embed(block)
+        if self.args.input_embedding_scale != 1.0:
+            embeds = embeds * self.args.input_embedding_scale
+        hidden = self(embeds, cache)[0, 1:]
+        return self.compute_logits(target.lm_head(hidden))
+
+    def train_hidden(
+        self, block_embeds: mx.array, features: mx.array, anchors: mx.array
+    ) -> mx.array:
+        """Training pass over many blocks of one sequence.
+
+        block_embeds [N, B, D] (block n starts at position anchors[n]), features [1, T, taps*D].
+        Block n sees context positions < anchors[n] and its own block bidirectionally.
+        """
+        ctx = self.fuse(features)
+        N, B, _ = block_embeds.shape
+        T = features.shape[1]
+        ctx_pos = mx.arange(T)[None, None, :]
+        q_pos = anchors[:, None, None] + mx.arange(B)[None, :, None]
+        visible = ctx_pos < anchors[:, None, None]
+        h = block_embeds
+        for layer in self.layers:
+            keys, values = layer.self_attn.context_kv(ctx, 0)
+            ctx_ok = visible
+            if layer.sliding_window is not None:
+                ctx_ok = ctx_ok & ((q_pos - ctx_pos) < layer.sliding_window)
+            blk_ok = mx.ones((N, B, B), dtype=mx.bool_)
+            if layer.is_causal:
+                blk_ok = mx.broadcast_to(mx.tril(blk_ok[0]), (N, B, B))
+            mask = mx.concatenate([ctx_ok, blk_ok], axis=-1)[:, None]
+            h = layer(h, keys, values, anchors, mask)
+        return self.norm(h)

@@ -1,0 +1,94 @@
+"""Tiny random models and a word-level tokenizer for fast tests."""
+
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+from mlx.utils import tree_map
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from mlx_dflash.drafters import DFlashDraftModel, DraftArgs
+
+EOS_ID = 1
+
+
+def make_tokenizer(vocab_size: int, eos_id: int = EOS_ID) -> TokenizerWrapper:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    vocab["<eos>"] = eos_id
+    del vocab[f"w{eos_id}"]
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    from tokenizers import decoders
+
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="w0")
+    return TokenizerWrapper(hf, eos_token_ids=[eos_id])
+
+
+def make_target(
+    model_type: str = "qwen3",
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    tied: bool = True,
+    seed: int = 0,
+    scale: float = 3.0,
+):
+    """A random float32 mlx-lm model; weights scaled up so logits have clear gaps (few near-ties)."""
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    config = dict(
+        model_type=model_type,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        intermediate_size=2 * hidden_size,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-6,
+        vocab_size=vocab_size,
+        rope_theta=10000.0,
+        tie_word_embeddings=tied,
+        head_dim=hidden_size // heads,
+        max_position_embeddings=4096,
+    )
+    args = module.ModelArgs.from_dict(config)
+    mx.random.seed(seed)
+    model = module.Model(args)
+    model.update(tree_map(lambda p: p * scale if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def make_drafter(
+    target_model,
+    block_size: int = 8,
+    layer_ids=(0, 2),
+    num_layers: int = 1,
+    mask_token_id: int = 2,
+    seed: int = 1,
+    **overrides,
+) -> DFlashDraftModel:
+    a = target_model.args
+    args = DraftArgs(
+        hidden_size=a.hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=2 * a.hidden_size,
+        vocab_size=a.vocab_size,
+        target_layer_ids=list(layer_ids),
+        mask_token_id=mask_token_id,
+        block_size=block_size,
+        num_target_layers=a.num_hidden_layers,
+        rope_theta=10000.0,
+        **overrides,
+    )
+    mx.random.seed(seed)
+    drafter = DFlashDraftModel(args)
+    mx.eval(drafter.parameters())
+    return drafter
