@@ -1,0 +1,40 @@
+"""Loading shared by the subcommands: the target/drafter pair, default or given."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from .app import fail
+
+
+def load_pair(model: str | None, drafter: str | None, block_size: int | None = None) -> tuple:
+    """(model, drafter, tokenizer). No --model: the package's default pair."""
+    from mlx_lm import load
+
+    from ..drafters import DrafterMismatchError, load_drafter
+
+    try:
+        if model is None:
+            from ..default import load_default
+
+            target, default_drafter, tokenizer = load_default(progress=True)
+            draft = default_drafter if drafter is None else load_drafter(drafter, model=target)
+            return target, draft, tokenizer
+        print(f"Loading target {model} ...", file=sys.stderr)
+        target, tokenizer = load(model)
+        draft = None
+        if drafter is not None and drafter.lower() != "none":
+            draft = load_drafter(drafter, model=target)
+        return target, draft, tokenizer
+    except (FileNotFoundError, NotADirectoryError, DrafterMismatchError, ValueError,
+            NotImplementedError) as e:
+        fail(str(e))
+
+
+def chat_prompt(tokenizer: Any, text: str, use_template: bool = True) -> str | list[int]:
+    """Wrap a user message in the chat template when the tokenizer has one (like mlx_lm)."""
+    if use_template and getattr(tokenizer, "has_chat_template", False):
+        messages = [{"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return text

@@ -1,0 +1,56 @@
+"""`mlx-dflash generate`: stream one reply, then one line of statistics."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from .app import app, fail
+from .common import chat_prompt, load_pair
+
+
+@app.command()
+def generate(
+    prompt_arg: Optional[str] = typer.Argument(None, metavar="[PROMPT]", help="The prompt."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt ('-': stdin)."),
+    model: Optional[str] = typer.Option(
+        None, "--model", "-m", help="mlx-lm target (dir or hub id). Default: the built-in pair."),
+    drafter: Optional[str] = typer.Option(
+        None, "--drafter", "-d", help="Drafter dir or hub id ('none': target alone)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", min=0),
+    temp: float = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature (0: greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),
+    top_k: int = typer.Option(0, "--top-k", min=0),
+    block_size: Optional[int] = typer.Option(None, "--block-size", "-b", min=1,
+                                             help="Block size (default: the drafter's)."),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    no_chat_template: bool = typer.Option(False, "--no-chat-template",
+                                          help="Send the prompt as raw text."),
+) -> None:
+    """Generate text for PROMPT with speculative decoding."""
+    text = prompt if prompt is not None else prompt_arg
+    if text == "-":
+        text = sys.stdin.read()
+    if not text:
+        fail("no prompt given (pass it as an argument or with --prompt)")
+    if top_p == 0:
+        fail("--top-p must be in (0, 1]")
+    import mlx.core as mx
+
+    from ..decode import stream_generate
+
+    target, draft, tokenizer = load_pair(model, drafter)
+    if seed is not None:
+        mx.random.seed(seed)
+    last = None
+    for last in stream_generate(
+        target, draft, tokenizer, chat_prompt(tokenizer, text, not no_chat_template),
+        max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k,
+        block_size=block_size,
+    ):
+        print(last.text, end="", flush=True)
+    print()
+    if last is not None:
+        typer.secho(last.stats.summary(), fg=typer.colors.CYAN, err=True)

@@ -1,0 +1,59 @@
+"""`mlx-dflash generate --model DIR --drafter DIR` end to end on a tiny saved pair."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from tiny import make_drafter, make_target, make_tokenizer
+
+from mlx_dflash import save_drafter
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    from mlx.utils import tree_flatten
+    import mlx.core as mx
+
+    root = tmp_path_factory.mktemp("pair")
+    model = make_target("qwen3", vocab_size=96)
+    target_dir = root / "target"
+    target_dir.mkdir()
+    mx.save_safetensors(str(target_dir / "model.safetensors"),
+                        dict(tree_flatten(model.parameters())))
+    config = {k: v for k, v in vars(model.args).items() if not k.startswith("_")}
+    (target_dir / "config.json").write_text(json.dumps(config))
+    make_tokenizer(96)._tokenizer.save_pretrained(str(target_dir))
+    drafter_dir = root / "drafter"
+    save_drafter(make_drafter(model, block_size=4), drafter_dir)
+    return target_dir, drafter_dir
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "mlx_dflash.cli", *args],
+                          capture_output=True, text=True)
+
+
+def test_generate_matches_mlx_lm(tiny_pair):
+    target_dir, drafter_dir = tiny_pair
+    out = cli("generate", "w5 w6 w7", "--model", str(target_dir), "--drafter", str(drafter_dir),
+              "--max-tokens", "12")
+    assert out.returncode == 0, out.stderr
+    from mlx_lm import generate, load
+
+    model, tok = load(str(target_dir))
+    assert out.stdout.rstrip("\n") == generate(model, tok, "w5 w6 w7", max_tokens=12)
+    assert "mean acceptance length" in out.stderr
+
+
+def test_generate_bad_paths_are_named(tiny_pair):
+    target_dir, _ = tiny_pair
+    out = cli("generate", "hi", "--model", str(target_dir), "--drafter", "/no/such/dir")
+    assert out.returncode == 2 and "drafter directory not found: /no/such/dir" in out.stderr
+    out = cli("generate", "--model", str(target_dir), "--drafter", "none")
+    assert out.returncode == 2 and "no prompt given" in out.stderr
+
+
+def test_help_and_version():
+    assert "generate" in cli("--help").stdout
+    assert cli("--version").stdout.startswith("mlx-dflash ")
