@@ -18,8 +18,8 @@ def make_tokenizer(vocab_size: int, eos_id: int = EOS_ID) -> TokenizerWrapper:
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"w{i}": i for i in range(vocab_size)}
-    vocab["<eos>"] = eos_id
-    del vocab[f"w{eos_id}"]
+    vocab.pop(f"w{eos_id}", None)
+    vocab["<eos>"] = eos_id  # an id >= vocab_size gives a stop token the model never emits
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     from tokenizers import decoders
