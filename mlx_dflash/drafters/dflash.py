@@ -98,7 +98,7 @@ class DFlashDraftModel(nn.Module):
         T = features.shape[1]
         ctx_pos = mx.arange(T)[None, None, :]
         q_pos = anchors[:, None, None] + mx.arange(B)[None, :, None]
-        visible = ctx_pos < anchors[:, None, None]
+        visible = mx.broadcast_to(ctx_pos < anchors[:, None, None], (N, B, T))
         h = block_embeds
         for layer in self.layers:
             keys, values = layer.self_attn.context_kv(ctx, 0)

@@ -1,0 +1,100 @@
+"""The DFlash training recipe: random anchors, masked blocks, decay-weighted cross-entropy.
+
+Per sequence: sample anchors in the response; block n is ``[x_anchor, MASK x (B-1)]`` at
+positions ``anchor..anchor+B-1``; it sees target features strictly before its anchor and its own
+block (bidirectionally), never other blocks; position k predicts token ``anchor+k`` with weight
+``exp(-(k-1)/gamma)``. The target's embedding and LM head stay frozen.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..drafters import DFlashDraftModel
+from ..target import Target
+
+
+def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """Evenly spaced tap layers from 1 to L-3 (z-lab's rule); one tap: the middle layer."""
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_taps - 1)) for i in range(num_taps)]
+
+
+def sample_anchors(
+    prompt_len: int, total_len: int, num_anchors: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Anchor positions among response tokens that have at least one label after them."""
+    low, high = prompt_len, total_len - 2  # inclusive range
+    if high < low:
+        return np.zeros((0,), dtype=np.int32)
+    candidates = np.arange(low, high + 1)
+    n = min(num_anchors, len(candidates))
+    return np.sort(rng.choice(candidates, size=n, replace=False)).astype(np.int32)
+
+
+def block_inputs(
+    tokens: np.ndarray, anchors: np.ndarray, block_size: int, mask_token_id: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Block token ids [N, B], labels [N, B-1] and label validity [N, B-1]."""
+    T = len(tokens)
+    offsets = np.arange(1, block_size)
+    label_pos = anchors[:, None] + offsets[None, :]
+    valid = label_pos < T
+    labels = tokens[np.minimum(label_pos, T - 1)]
+    blocks = np.full((len(anchors), block_size), mask_token_id, dtype=np.int32)
+    blocks[:, 0] = tokens[anchors]
+    return blocks, labels.astype(np.int32), valid
+
+
+def position_weights(block_size: int, gamma: float) -> mx.array:
+    """w_k = exp(-(k-1)/gamma) for block positions k = 1..B-1."""
+    return mx.array([math.exp(-(k - 1) / gamma) for k in range(1, block_size)])
+
+
+def block_loss(
+    drafter: DFlashDraftModel,
+    target: Target,
+    features: mx.array,
+    blocks: mx.array,
+    anchors: mx.array,
+    labels: mx.array,
+    valid: mx.array,
+    weights: mx.array,
+) -> tuple[mx.array, mx.array]:
+    """Decay-weighted CE over all blocks of one sequence. Returns (loss, per-position accuracy)."""
+    embeds = target.embed(blocks)
+    scale = drafter.args.input_embedding_scale
+    if scale != 1.0:
+        embeds = embeds * scale
+    hidden = drafter.train_hidden(embeds, features, anchors)[:, 1:]
+    logits = drafter.compute_logits(target.lm_head(hidden))
+    ce = nn.losses.cross_entropy(logits, labels, reduction="none")  # [N, B-1]
+    w = weights[None, :] * valid
+    loss = (ce * w).sum() / mx.maximum(w.sum(), 1e-6)
+    correct = (mx.argmax(logits, axis=-1) == labels) * valid
+    accuracy = correct.sum(axis=0) / mx.maximum(valid.sum(axis=0), 1)
+    return loss, accuracy
+
+
+def init_from_target(drafter: DFlashDraftModel, target: Target) -> list[int]:
+    """Warm-start the drafter's layers from the target's last layers (same shapes only).
+
+    Returns the target layer indices copied. Norms the target lacks (q_norm/k_norm) stay ones.
+    """
+    from mlx.utils import tree_flatten
+
+    layers = target.inner.layers
+    n = len(drafter.layers)
+    sources = list(range(len(layers) - n, len(layers)))
+    for draft_layer, src in zip(drafter.layers, sources):
+        src_params = dict(tree_flatten(layers[src].parameters()))
+        own = dict(tree_flatten(draft_layer.parameters()))
+        update = [(k, v) for k, v in src_params.items() if k in own and own[k].shape == v.shape]
+        draft_layer.load_weights(update, strict=False)
+    return sources
