@@ -35,6 +35,7 @@ class GenerationStats:
     block_size: int = 1
     peak_memory: float = 0.0  # GB
     acceptance_lengths: list[int] = field(default_factory=list)  # per cycle: accepted + 1
+    draft_lengths: list[int] = field(default_factory=list)  # per cycle: drafts verified
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -264,6 +265,7 @@ def stream_generate(
             stats.drafted_tokens += K
             stats.accepted_tokens += accepted
             stats.acceptance_lengths.append(accepted + 1)
+            stats.draft_lengths.append(K)
             if stats.cycles % 256 == 0:
                 mx.clear_cache()
 

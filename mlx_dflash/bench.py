@@ -1,0 +1,168 @@
+"""Benchmark: speculative decoding against plain mlx-lm greedy decoding, side by side.
+
+For every prompt the runs are interleaved (plain, then each block size), so drift in machine
+load hits all variants alike. Each speculative output is also checked against the plain one.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from .decode import as_target, stream_generate
+from .train.data import read_prompts
+
+
+def load_prompt_sets(files: list[str], limit: int | None) -> dict[str, list[str]]:
+    """{domain: [prompt text]}; the domain is the file name without 'eval_' and extension."""
+    sets = {}
+    for f in files:
+        name = Path(f).stem.removeprefix("eval_").split("_")[0]
+        rows = read_prompts(f, limit=limit)
+        if not rows:
+            raise ValueError(f"{f}: no rows with a 'prompt', 'question' or 'turns' field")
+        sets[name] = [r["prompt"] for r in rows]
+    return sets
+
+
+def verify_decode_ratio(model: Any, block_size: int, context: int = 256, reps: int = 5) -> dict:
+    """Seconds for a 1-token and a B-token target pass over a `context`-token cache, and ratio."""
+    target = as_target(model)
+    cache = target.make_cache()
+    target.forward(mx.zeros((1, context), dtype=mx.uint32), cache)
+    mx.eval([c.state for c in cache])
+
+    def timed(n: int) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            tokens = mx.ones((1, n), dtype=mx.uint32)
+            tic = time.perf_counter()
+            logits, _ = target.forward(tokens, cache)
+            mx.eval(logits)
+            best = min(best, time.perf_counter() - tic)
+            target.rollback(cache, n)
+        return best
+
+    timed(1)  # warm-up
+    one, block = timed(1), timed(block_size)
+    return {"decode_s": one, "verify_s": block, "ratio": block / one}
+
+
+def _plain(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> tuple[list, float]:
+    from mlx_lm import stream_generate as mlx_stream_generate
+
+    tic = time.perf_counter()
+    tokens = [r.token for r in mlx_stream_generate(model, tokenizer, prompt,
+                                                   max_tokens=max_tokens)]
+    elapsed = time.perf_counter() - tic
+    if tokens and tokens[-1] in tokenizer.eos_token_ids:
+        tokens = tokens[:-1]
+    return tokens, elapsed
+
+
+def _speculative(model, drafter, tokenizer, prompt, max_tokens, block_size):
+    tic = time.perf_counter()
+    tokens, last = [], None
+    for last in stream_generate(model, drafter, tokenizer, prompt, max_tokens=max_tokens,
+                                block_size=block_size):
+        tokens += last.tokens
+    return tokens, time.perf_counter() - tic, last.stats
+
+
+def run_bench(
+    model: Any,
+    drafter: Any,
+    tokenizer: Any,
+    prompt_sets: dict[str, list[str]],
+    block_sizes: list[int],
+    max_tokens: int = 128,
+    progress: bool = True,
+) -> dict:
+    from tqdm import tqdm
+
+    def chat(text: str) -> list[int]:
+        if getattr(tokenizer, "has_chat_template", False):
+            return tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                 add_generation_prompt=True)
+        return tokenizer.encode(text)
+
+    results: dict[str, Any] = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "device": str(mx.default_device()), "mlx": mx.__version__},
+        "settings": {"max_tokens": max_tokens, "block_sizes": block_sizes, "greedy": True,
+                     "dtype": str(model.model.embed_tokens.weight.dtype)},
+        "domains": {},
+    }
+    try:
+        from . import _blas
+
+        results["machine"]["blas"] = _blas.sgemm_provider() or "default"
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    cost = {B: verify_decode_ratio(model, B) for B in block_sizes}
+    results["verify_decode_cost"] = {str(B): c for B, c in cost.items()}
+    total = sum(len(p) for p in prompt_sets.values()) * (1 + len(block_sizes))
+    bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
+    for domain, prompts in prompt_sets.items():
+        plain_tokens, plain_time = 0, 0.0
+        spec = {B: {"tokens": 0, "time": 0.0, "acc": [], "pos_hits": [0] * (B - 1),
+                    "pos_tries": [0] * (B - 1), "mismatches": 0} for B in block_sizes}
+        for text in prompts:
+            prompt = chat(text)
+            ref, elapsed = _plain(model, tokenizer, prompt, max_tokens)
+            plain_tokens += len(ref)
+            plain_time += elapsed
+            bar.update(1)
+            for B in block_sizes:
+                out, elapsed, stats = _speculative(model, drafter, tokenizer, prompt,
+                                                   max_tokens, B)
+                s = spec[B]
+                s["tokens"] += len(out)
+                s["time"] += elapsed
+                s["acc"] += stats.acceptance_lengths
+                s["mismatches"] += int(out != ref)
+                for a, k in zip(stats.acceptance_lengths, stats.draft_lengths):
+                    for pos in range(k):
+                        s["pos_tries"][pos] += 1
+                        s["pos_hits"][pos] += int(a - 1 > pos)
+                bar.update(1)
+        plain_tps = plain_tokens / plain_time
+        entry = {"prompts": len(prompts), "plain": {"tokens": plain_tokens,
+                                                     "seconds": plain_time,
+                                                     "tokens_per_s": plain_tps},
+                 "speculative": {}}
+        for B, s in spec.items():
+            tps = s["tokens"] / s["time"]
+            entry["speculative"][str(B)] = {
+                "tokens": s["tokens"],
+                "seconds": s["time"],
+                "tokens_per_s": tps,
+                "speedup": tps / plain_tps,
+                "mean_acceptance_length": sum(s["acc"]) / max(len(s["acc"]), 1),
+                "acceptance_by_position": [h / t if t else None
+                                           for h, t in zip(s["pos_hits"], s["pos_tries"])],
+                "verify_decode_ratio": cost[B]["ratio"],
+                "outputs_differing_from_plain": s["mismatches"],
+            }
+        results["domains"][domain] = entry
+    bar.close()
+    return results
+
+
+def format_table(results: dict) -> str:
+    lines = ["| domain | variant | tok/s | speedup | mean acc. len | verify/decode cost | "
+             "outputs = plain |", "|---|---|---:|---:|---:|---:|---|"]
+    for domain, e in results["domains"].items():
+        lines.append(f"| {domain} | plain mlx-lm | {e['plain']['tokens_per_s']:.1f} | 1.00x | "
+                     "- | - | - |")
+        for B, s in e["speculative"].items():
+            same = e["prompts"] - s["outputs_differing_from_plain"]
+            lines.append(
+                f"| {domain} | DFlash B={B} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | "
+                f"{s['mean_acceptance_length']:.2f} | {s['verify_decode_ratio']:.2f} | "
+                f"{same}/{e['prompts']} |")
+    return "\n".join(lines)

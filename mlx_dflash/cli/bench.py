@@ -1,0 +1,49 @@
+"""`mlx-dflash bench`: speculative vs plain mlx-lm decoding on prompt files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .app import app, fail
+from .common import load_pair
+
+
+@app.command()
+def bench(
+    prompts: List[Path] = typer.Option(..., "--prompts", help="JSON Lines file(s) with a "
+                                       "'prompt', 'question' or 'turns' field; repeatable."),
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d",
+                                          help="Shipped drafter name or dir/hub id."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target (default pair)."),
+    block_size: List[int] = typer.Option([4, 8, 16], "--block-size", "-b", min=2,
+                                         help="Block sizes to compare; repeatable."),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n", min=1),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Prompts per file."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures here."),
+) -> None:
+    """Compare plain greedy decoding with DFlash at several block sizes (runs interleaved)."""
+    from ..bench import format_table, load_prompt_sets, run_bench
+    from ..default import resolve_drafter
+
+    for f in prompts:
+        if not f.exists():
+            fail(f"prompt file not found: {f}")
+    try:
+        sets = load_prompt_sets([str(f) for f in prompts], limit)
+    except ValueError as e:
+        fail(str(e))
+    target, draft, tokenizer = load_pair(model, resolve_drafter(drafter) if drafter else None)
+    if draft is None:
+        fail("bench needs a drafter (--drafter)")
+    results = run_bench(target, draft, tokenizer, sets, list(block_size), max_tokens)
+    results["settings"]["drafter"] = str(getattr(draft, "source_path", drafter))
+    results["settings"]["model"] = model or "default (SmolLM2-135M-Instruct, float32)"
+    typer.echo(format_table(results))
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(results, indent=2) + "\n")
+        typer.echo(f"wrote {json_out}")

@@ -1,0 +1,89 @@
+"""`mlx-dflash train`: regenerate responses with the target, then train a DFlash drafter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .app import app, fail
+
+
+@app.command()
+def train(
+    out: Path = typer.Option(..., "--out", "-o", help="Run directory (data/, checkpoint/)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target (default pair)."),
+    prompts: List[Path] = typer.Option([], "--prompts", help="Training prompt file(s); "
+                                       "repeatable. Omit to train on existing OUT/data."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Prompts per file."),
+    code_prompts: int = typer.Option(0, "--code-prompts", min=0,
+                                     help="Add N prompts built from stdlib docstrings."),
+    max_response_tokens: int = typer.Option(192, "--max-response-tokens", min=8),
+    block_size: int = typer.Option(16, "--block-size", min=2),
+    layers: int = typer.Option(2, "--layers", min=1),
+    taps: int = typer.Option(4, "--taps", min=1, help="Target layers tapped for features."),
+    mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id",
+                                                help="Default: the tokenizer's mask token, "
+                                                "else 16 for SmolLM2 (<empty_output>)."),
+    epochs: float = typer.Option(3.0, "--epochs", min=0.01),
+    learning_rate: float = typer.Option(6e-4, "--lr"),
+    anchors: int = typer.Option(32, "--anchors", min=1, help="Anchors per sequence."),
+    grad_accum: int = typer.Option(4, "--grad-accum", min=1),
+    eval_prompts: Optional[Path] = typer.Option(None, "--eval-prompts",
+                                                help="Held-out prompts for a final "
+                                                "acceptance evaluation."),
+    eval_limit: int = typer.Option(8, "--eval-limit", min=1),
+) -> None:
+    """Train a DFlash drafter for a target (data regeneration is resumable)."""
+    from mlx_lm import load
+
+    from ..train.data import read_prompts, regenerate, stdlib_code_prompts
+    from ..train.loop import TrainConfig
+    from ..train.loop import train as run_training
+
+    for f in prompts + ([eval_prompts] if eval_prompts else []):
+        if not f.exists():
+            fail(f"prompt file not found: {f}")
+    if model is None:
+        from ..default_target import ensure_default_target
+
+        model = str(ensure_default_target())
+    target, tokenizer = load(model)
+    if mask_token_id is None:
+        mask = getattr(tokenizer, "mask_token_id", None)
+        mask_token_id = mask if mask is not None else 16
+        typer.echo(f"mask token id: {mask_token_id} ({tokenizer.convert_ids_to_tokens(mask_token_id)})")
+    data_dir = out / "data"
+    rows = []
+    for f in prompts:
+        rows += read_prompts(f, limit=limit)
+    if code_prompts:
+        rows += stdlib_code_prompts(limit=code_prompts)
+    if rows:
+        regenerate(target, tokenizer, rows, data_dir, max_tokens=max_response_tokens)
+    elif not any(data_dir.glob("shard_*.jsonl")):
+        fail(f"no training data: pass --prompts, or put shards in {data_dir}")
+    config = TrainConfig(data_dir=str(data_dir), out_dir=str(out), block_size=block_size,
+                         num_layers=layers, num_taps=taps, mask_token_id=mask_token_id,
+                         epochs=epochs, learning_rate=learning_rate, num_anchors=anchors,
+                         grad_accum=grad_accum)
+    drafter = run_training(target, config)
+    if eval_prompts:
+        from ..bench import load_prompt_sets
+        from ..decode import stream_generate
+
+        texts = next(iter(load_prompt_sets([str(eval_prompts)], eval_limit).values()))
+        lengths = []
+        for text in texts:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True)
+            for r in stream_generate(target, drafter, tokenizer, ids, max_tokens=128):
+                pass
+            lengths += r.stats.acceptance_lengths
+        tau = sum(lengths) / max(len(lengths), 1)
+        (out / "eval.json").write_text(json.dumps({"prompts": str(eval_prompts),
+                                                   "n": len(texts), "block_size": block_size,
+                                                   "mean_acceptance_length": tau}, indent=2))
+        typer.echo(f"held-out mean acceptance length: {tau:.2f} (block {block_size})")

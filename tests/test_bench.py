@@ -1,0 +1,28 @@
+"""The benchmark runs end to end on a tiny pair and reports lossless, comparable figures."""
+
+import json
+
+from tiny import make_drafter, make_target, make_tokenizer
+
+from mlx_dflash.bench import format_table, load_prompt_sets, run_bench
+
+
+def test_bench_on_tiny_pair(tmp_path):
+    f = tmp_path / "eval_chat_tiny.jsonl"
+    f.write_text("\n".join([json.dumps({"prompt": "w5 w6 w7"}),
+                            json.dumps({"question": "w8 w9"}),
+                            json.dumps({"turns": ["w10 w11 w12"]}),
+                            json.dumps({"other": "skipped"})]))
+    sets = load_prompt_sets([str(f)], limit=None)
+    assert list(sets) == ["chat"] and len(sets["chat"]) == 3
+    model = make_target("qwen3", vocab_size=96)
+    results = run_bench(model, make_drafter(model, block_size=4), make_tokenizer(96, eos_id=96),
+                        sets, [2, 4], max_tokens=12, progress=False)
+    entry = results["domains"]["chat"]
+    for B in ("2", "4"):
+        s = entry["speculative"][B]
+        assert s["outputs_differing_from_plain"] == 0
+        assert s["tokens"] == entry["plain"]["tokens"] == 36
+        assert 1.0 <= s["mean_acceptance_length"] <= int(B)
+        assert len(s["acceptance_by_position"]) == int(B) - 1
+    assert "DFlash B=4" in format_table(results)
