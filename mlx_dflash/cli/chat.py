@@ -1,0 +1,206 @@
+"""`mlx-dflash chat`: multi-turn chat with the model's chat template, streamed, with statistics."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any, Optional
+
+import typer
+
+from .app import app, fail
+from .common import load_pair
+
+COMMANDS = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
+LONG_PROMPT = 512  # tokens; from here on the prefill gets a progress line
+
+
+def measure_pass_costs(model: Any, drafter: Any, block_size: int, context: int = 64,
+                       reps: int = 3) -> tuple[float, float, float]:
+    """Seconds for (a 1-token target pass, a B-token target pass, one drafter pass).
+
+    Timed after a ``context``-token prefix (so attention is not empty), median of ``reps`` runs
+    after one warm-up each; the caches are rolled back after every pass.
+    """
+    import mlx.core as mx
+
+    from ..decode import as_target
+
+    target = as_target(model)
+    layer_ids = drafter.target_layer_ids
+    cache = target.make_cache()
+    prefix = (mx.arange(context, dtype=mx.uint32) % target.vocab_size)[None]
+    _, features = target.hidden_states(prefix, cache, layer_ids)
+    draft_cache = drafter.make_cache()
+    drafter.commit(features, draft_cache)
+    mx.eval([c.state for c in cache] + [c.state for c in draft_cache])
+
+    def target_pass(n: int) -> None:
+        tokens = (mx.arange(n, dtype=mx.uint32) % target.vocab_size)[None]
+        logits, feats = target.forward(tokens, cache, layer_ids)
+        mx.eval(logits, feats)
+        target.rollback(cache, n)
+
+    def draft_pass() -> None:
+        anchor = mx.array([0], dtype=mx.uint32)
+        mx.eval(mx.argmax(drafter.draft_logits(target, anchor, draft_cache, block_size), -1))
+
+    def timed(fn: Any) -> float:
+        fn()  # warm-up: compilation, allocation
+        times = []
+        for _ in range(reps):
+            tic = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - tic)
+        return statistics.median(times)
+
+    return timed(lambda: target_pass(1)), timed(lambda: target_pass(block_size)), timed(draft_pass)
+
+
+def estimate_speedup(mean_acceptance: float, costs: tuple[float, float, float] | None) -> float:
+    """Tokens per cycle x (cost of one plain decode step / cost of one draft + verify cycle)."""
+    if costs is None or mean_acceptance <= 0:
+        return 1.0
+    one, block, draft = costs
+    return mean_acceptance * one / (block + draft)
+
+
+def render_prompt(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """The whole conversation through the chat template, ready for the assistant's turn."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if isinstance(out, dict) or hasattr(out, "input_ids"):  # BatchEncoding from some versions
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+class _PrefillProgress:
+    """A live 'prefill done/total' line on stderr for long prompts; erased when decoding starts."""
+
+    def __init__(self, total: int) -> None:
+        self.active = total >= LONG_PROMPT
+        self.tty = sys.stderr.isatty()
+        self.total = total
+        if self.active:
+            self(0, total)
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.active:
+            return
+        if self.tty:
+            print(f"\r[prefill {done}/{total} tokens]", end="", file=sys.stderr, flush=True)
+        elif done == 0:
+            print(f"[prefill {total} tokens]", file=sys.stderr, flush=True)
+
+    def clear(self) -> None:
+        if self.active and self.tty:
+            print("\r\x1b[K", end="", file=sys.stderr, flush=True)
+        self.active = False
+
+
+@app.command(
+    epilog="Speedup estimate: at start-up the target's cost for one 1-token pass (plain "
+    "decoding: one token per pass) and for one B-token verify pass, plus one drafter pass, are "
+    "timed once. A cycle commits on average 'mean acceptance length' tokens, so est. speedup = "
+    "mean acceptance length x t(1-token pass) / (t(B-token pass) + t(drafter pass)). It leaves "
+    "out per-token overheads (sampling, host sync) and is labelled 'est.'; measure the real "
+    "speedup with --drafter none for comparison."
+)
+def chat(
+    model: Optional[str] = typer.Option(
+        None, "--model", "-m", help="mlx-lm target (dir or hub id). Default: the built-in pair."),
+    drafter: Optional[str] = typer.Option(
+        None, "--drafter", "-d", help="Drafter dir or hub id ('none': target alone)."),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", min=1,
+                                   help="Most tokens per reply."),
+    temp: float = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature (0: greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),
+    top_k: int = typer.Option(0, "--top-k", min=0),
+    block_size: Optional[int] = typer.Option(None, "--block-size", "-b", min=1,
+                                             help="Block size (default: the drafter's)."),
+    system_prompt: Optional[str] = typer.Option(None, "--system-prompt", "-s",
+                                                help="A system message opening the chat."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
+) -> None:
+    """Chat with the model (multi-turn, its chat template), one statistics line per reply.
+
+    /reset clears the conversation; /exit, Ctrl-D or Ctrl-C at the prompt quit; Ctrl-C during a
+    reply stops it. The whole conversation is re-rendered through the template every turn.
+    """
+    if top_p == 0:
+        fail("--top-p must be in (0, 1]")
+    import mlx.core as mx
+
+    from ..decode import stream_generate
+
+    tic = time.perf_counter()
+    target, draft, tokenizer = load_pair(model, drafter)
+    if not getattr(tokenizer, "has_chat_template", False):
+        fail(f"the tokenizer of {model or 'the default model'} has no chat template; "
+             "use `mlx-dflash generate --no-chat-template` for plain text completion")
+    B = 1 if draft is None else (block_size or draft.block_size)
+    costs = None
+    if draft is not None and B > 1:
+        typer.echo("Timing target and drafter passes for the speedup estimate ...", err=True)
+        costs = measure_pass_costs(target, draft, B)
+        one, block, dpass = costs
+        typer.echo(f"  target 1-token pass {one * 1e3:.1f} ms, {B}-token pass {block * 1e3:.1f} "
+                   f"ms; drafter pass {dpass * 1e3:.1f} ms", err=True)
+    typer.echo(f"Ready in {time.perf_counter() - tic:.1f} s. {COMMANDS}.", err=True)
+    if seed is not None:
+        mx.random.seed(seed)
+
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    start = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages = list(start)
+    while True:
+        try:
+            text = input(">> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        stripped = text.strip()
+        if not stripped:
+            continue
+        if stripped in ("/exit", "/quit"):
+            return
+        if stripped == "/reset":
+            messages = list(start)
+            typer.echo("[conversation cleared]", err=True)
+            continue
+        if stripped == "/help":
+            typer.echo(COMMANDS, err=True)
+            continue
+
+        messages.append({"role": "user", "content": text})
+        prompt = render_prompt(tokenizer, messages)
+        progress = _PrefillProgress(len(prompt))
+        reply, last = [], None
+        try:
+            for last in stream_generate(
+                target, draft, tokenizer, prompt, max_tokens=max_tokens, temperature=temp,
+                top_p=top_p, top_k=top_k, block_size=block_size, prompt_progress=progress,
+            ):
+                progress.clear()
+                reply.append(last.text)
+                print(last.text, end="", flush=True)
+        except KeyboardInterrupt:
+            progress.clear()
+            messages.pop()  # the turn never completed: forget it
+            print()
+            typer.echo("[reply stopped; the turn was dropped]", err=True)
+            continue
+        print(flush=True)
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        if last is not None:
+            s = last.stats
+            speedup = estimate_speedup(s.mean_acceptance_length, costs)
+            typer.secho(
+                f"[{s.generation_tps:.1f} tok/s | mean acceptance length "
+                f"{s.mean_acceptance_length:.2f} (block {s.block_size}) | "
+                f"est. speedup {speedup:.2f}x]",
+                fg=typer.colors.CYAN, err=True,
+            )

@@ -1,0 +1,120 @@
+"""Convert a Hugging Face DFlash drafter checkpoint into an MLX drafter directory.
+
+The output keeps the z-lab layout (``config.json`` + ``model.safetensors``) that ``load_drafter``
+reads. Optionally the linear layers are quantized (``nn.quantize``, affine) and the scheme is
+recorded as ``quantization`` in config.json; everything that is not quantized (norms, quantization
+scales and biases) is stored in ``dtype``, float32 by default, so the drafter's activations stay
+float32: float16 activations overflow in the drafter and break acceptance on older chips.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..drafters import load_drafter, resolve_path
+from .atomic import atomic_output_dir
+
+DTYPES = ("float32", "bfloat16", "float16")
+BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize supports in affine mode
+GROUP_SIZES = (32, 64, 128)
+_EXTRA_FILES = ("README.md", "LICENSE", "LICENSE.md", "LICENSE.txt")  # carried along if present
+
+
+def convert_drafter(
+    src: str | Path,
+    out: str | Path,
+    bits: int | None = None,
+    group_size: int = 64,
+    dtype: str = "float32",
+    overwrite: bool = False,
+    progress: bool = False,
+) -> Path:
+    """Convert the drafter at ``src`` (local dir or hub id) into an MLX drafter dir at ``out``.
+
+    ``bits`` quantizes every linear layer whose input size is a multiple of ``group_size``.
+    The directory is written atomically (nothing is left at ``out`` on failure or interrupt) and
+    is loaded back with ``load_drafter`` before it is moved into place.
+
+    Raises:
+        ValueError: bad ``bits`` / ``group_size`` / ``dtype``, a source that is already quantized,
+            or a checkpoint that ``load_drafter`` rejects.
+        FileNotFoundError / NotADirectoryError: ``src`` is not a drafter directory or hub id.
+        FileExistsError: ``out`` exists and ``overwrite`` is False.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if bits is not None and bits not in BITS:
+        raise ValueError(f"bits must be one of {', '.join(map(str, BITS))}, got {bits}")
+    if bits is not None and group_size not in GROUP_SIZES:
+        raise ValueError(
+            f"group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}"
+        )
+    out = Path(out).expanduser()
+    if out.exists() and not overwrite:
+        # Fail before the (slow) load; atomic_output_dir checks again.
+        raise FileExistsError(
+            f"output directory already exists: {out} (pass overwrite=True to replace it)"
+        )
+
+    src_dir = resolve_path(src)
+    if src_dir.resolve() == out.resolve():
+        raise ValueError(f"source and output are the same directory: {out}")
+    _say(progress, f"Loading drafter {src} ...")
+    # load_drafter first: it names a missing config, bad JSON, missing or unexpected weights.
+    drafter = load_drafter(src_dir)
+    config = json.loads((src_dir / "config.json").read_text())
+    if config.get("quantization") or config.get("quantization_config"):
+        raise ValueError(
+            f"{src_dir} is already quantized; convert from the original (unquantized) checkpoint"
+        )
+    drafter.set_dtype(getattr(mx, dtype))
+
+    quantized = 0
+    if bits is not None:
+
+        def quantizable(path: str, module: nn.Module) -> bool:
+            # mx.quantize groups along the input dimension, which must split into whole groups.
+            return isinstance(module, nn.Linear) and module.weight.shape[-1] % group_size == 0
+
+        quantized = sum(1 for p, m in drafter.named_modules() if quantizable(p, m))
+        if quantized == 0:
+            raise ValueError(
+                f"no linear layer of {src_dir} has an input size divisible by group size "
+                f"{group_size}; try a smaller --group-size"
+            )
+        _say(progress, f"Quantizing {quantized} linear layers to {bits} bits (group {group_size})")
+        nn.quantize(drafter, group_size=group_size, bits=bits, mode="affine",
+                    class_predicate=quantizable)
+
+    weights = dict(tree_flatten(drafter.parameters()))
+    mx.eval(weights)
+    # Keep the source config as published (fields like output_multiplier or auto_map survive);
+    # only the storage dtype and the quantization scheme change.
+    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    config["torch_dtype"] = dtype
+    if bits is not None:
+        config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name in _EXTRA_FILES:
+            if (src_dir / name).is_file():
+                shutil.copyfile(src_dir / name, tmp / name)
+        load_drafter(tmp)  # never publish a directory that does not load
+    size = sum(v.nbytes for v in weights.values()) / 1e6
+    _say(progress, f"Wrote {out} ({size:.1f} MB, {dtype}"
+         + (f", {quantized} layers at {bits} bits" if bits else "") + ")")
+    return out
+
+
+def _say(enabled: bool, message: str) -> None:
+    if enabled:
+        print(message, file=sys.stderr, flush=True)

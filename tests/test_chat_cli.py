@@ -1,0 +1,142 @@
+"""`mlx-dflash chat` driven through a pseudo-terminal on a tiny saved pair with a chat template."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+from tiny import make_drafter, make_target, make_tokenizer
+
+import mlx_dflash
+
+pexpect = pytest.importorskip("pexpect")
+
+# Roles become words of the tiny word-level vocabulary, so every rendered token is a real id.
+TEMPLATE = (
+    "{% for m in messages %}"
+    "{{ {'system': 'w20', 'user': 'w21', 'assistant': 'w22'}[m['role']] }} {{ m['content'] }} "
+    "{% endfor %}{% if add_generation_prompt %}w22{% endif %}"
+)
+STATS = re.compile(
+    r"\[[\d.]+ tok/s \| mean acceptance length [\d.]+ \(block 4\) \| est\. speedup [\d.]+x\]"
+)
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_pair(tmp_path_factory):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    root = tmp_path_factory.mktemp("chat")
+    model = make_target("qwen3", vocab_size=96)
+    target_dir = root / "target"
+    target_dir.mkdir()
+    mx.save_safetensors(str(target_dir / "model.safetensors"),
+                        dict(tree_flatten(model.parameters())))
+    config = {k: v for k, v in vars(model.args).items() if not k.startswith("_")}
+    (target_dir / "config.json").write_text(json.dumps(config))
+    hf = make_tokenizer(96)._tokenizer
+    hf.chat_template = TEMPLATE
+    hf.save_pretrained(str(target_dir))
+    drafter_dir = root / "drafter"
+    mlx_dflash.save_drafter(make_drafter(model, block_size=4), drafter_dir)
+    return target_dir, drafter_dir
+
+
+def expected_reply(target, drafter, tokenizer, messages):
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return mlx_dflash.generate(target, drafter, tokenizer, prompt, max_tokens=MAX_TOKENS)
+
+
+def say(child, text):
+    """Send one user turn; return (reply, stats line) as shown on the terminal."""
+    child.expect_exact(">> ")
+    child.sendline(text)
+    child.expect_exact(text)  # the terminal's echo of the input line
+    child.expect(STATS)
+    reply = ANSI.sub("", child.before).replace("\r\n", "\n").strip("\n")
+    return reply, child.after
+
+
+def test_chat_two_turns_reset_exit(tiny_chat_pair):
+    from mlx_lm import load
+
+    target_dir, drafter_dir = tiny_chat_pair
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "mlx_dflash.cli", "chat", "--model", str(target_dir), "--drafter",
+         str(drafter_dir), "--max-tokens", str(MAX_TOKENS), "--system-prompt", "w8"],
+        encoding="utf-8", timeout=30, dimensions=(24, 200),
+    )
+    try:
+        child.expect("Loading")  # progress while the model loads
+        child.expect(r"target 1-token pass [\d.]+ ms, 4-token pass [\d.]+ ms")  # costs timed
+        child.expect(r"Ready in [\d.]+ s")
+
+        target, tokenizer = load(str(target_dir))
+        drafter = mlx_dflash.load_drafter(drafter_dir)
+        history = [{"role": "system", "content": "w8"}, {"role": "user", "content": "w5 w6 w7"}]
+
+        reply1, _ = say(child, "w5 w6 w7")
+        assert reply1 == expected_reply(target, drafter, tokenizer, history)
+        assert reply1  # the tiny model says something
+
+        # Turn two sees the whole conversation, re-rendered through the template.
+        history += [{"role": "assistant", "content": reply1},
+                    {"role": "user", "content": "w30 w31"}]
+        reply2, _ = say(child, "w30 w31")
+        assert reply2 == expected_reply(target, drafter, tokenizer, history)
+
+        child.expect_exact(">> ")
+        child.sendline("/reset")
+        child.expect_exact("[conversation cleared]")
+        # After /reset only the system prompt is left: turn two's message alone.
+        reply3, _ = say(child, "w30 w31")
+        assert reply3 == expected_reply(target, drafter, tokenizer,
+                                        [history[0], {"role": "user", "content": "w30 w31"}])
+        assert reply3 != reply2  # the history did shape turn two
+
+        child.expect_exact(">> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
+def test_chat_help_explains_the_estimate():
+    from typer.testing import CliRunner
+
+    from mlx_dflash.cli import app
+
+    result = CliRunner().invoke(app, ["chat", "--help"], terminal_width=400)
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0
+    for phrase in ("/reset", "/exit", "--system-prompt", "--block-size", "est. speedup",
+                   "mean acceptance length x t(1-token pass)"):
+        assert phrase in text, phrase
+
+
+def test_chat_piped_and_without_template(tiny_chat_pair, tmp_path):
+    """Piped stdin works too (EOF quits); a tokenizer without a chat template is refused."""
+    from typer.testing import CliRunner
+
+    from mlx_dflash.cli import app
+
+    target_dir, drafter_dir = tiny_chat_pair
+    args = ["chat", "--model", str(target_dir), "--drafter", str(drafter_dir), "-n", "4"]
+    result = CliRunner().invoke(app, args, input="w5 w6 w7\n/help\n")
+    assert result.exit_code == 0, result.output
+    assert STATS.search(result.output) and "/reset clears" in result.output
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (plain / name).symlink_to(target_dir / name)
+    make_tokenizer(96)._tokenizer.save_pretrained(str(plain))
+    result = CliRunner().invoke(app, ["chat", "--model", str(plain), "--drafter", "none"])
+    assert result.exit_code == 2 and "has no chat template" in result.output
