@@ -230,7 +230,10 @@ def stream_generate(
             K = min(B - 1, max_tokens - stats.generation_tokens - 1)
             draft_probs = None
             if K > 0:
-                draft_logits = drafter.draft_logits(target, anchor, draft_cache, B)[:K]
+                # A drafter trained on blocks of size b always drafts with b inputs (its
+                # attention over the MASK positions is bidirectional); we verify the first K.
+                draft_block = max(B, drafter.block_size)
+                draft_logits = drafter.draft_logits(target, anchor, draft_cache, draft_block, K)
                 if params.greedy:
                     drafts = mx.argmax(draft_logits, axis=-1).astype(mx.uint32)
                 else:

@@ -62,8 +62,9 @@ class OracleDrafter:
     def commit(self, features, cache):
         self.inner.commit(features, cache)
 
-    def draft_logits(self, target, anchor, cache, block_size):
-        real = self.inner.draft_logits(target, anchor, cache, block_size)
+    def draft_logits(self, target, anchor, cache, block_size, num_drafts=None):
+        K = block_size - 1 if num_drafts is None else num_drafts
+        real = self.inner.draft_logits(target, anchor, cache, block_size, K)
         pos = cache[0].offset  # position of the anchor
         want = list(self.full[pos + 1 : pos + block_size])
         want += [0] * (block_size - 1 - len(want))
@@ -72,7 +73,7 @@ class OracleDrafter:
                 want[k] = (want[k] + 1 + int(self.rng.integers(self.vocab - 1))) % self.vocab
         onehot = mx.zeros((block_size - 1, self.vocab))
         onehot[mx.arange(block_size - 1), mx.array(want)] = 100.0
-        return onehot + 0 * real
+        return onehot[:K] + 0 * real
 
 
 CONFIGS = [

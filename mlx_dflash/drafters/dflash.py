@@ -75,14 +75,20 @@ class DFlashDraftModel(nn.Module):
         anchor: mx.array,
         cache: list[Any],
         block_size: int,
+        num_drafts: int | None = None,
     ) -> mx.array:
-        """Draft logits [B-1, V] for the positions after ``anchor`` (a [1] int array)."""
+        """Draft logits [K, V] for the K positions after ``anchor`` (a [1] int array).
+
+        The block always has ``block_size`` inputs; only the first K = num_drafts rows go
+        through the (large) LM head.
+        """
+        K = block_size - 1 if num_drafts is None else num_drafts
         mask_ids = mx.full((block_size - 1,), self.args.mask_token_id, dtype=anchor.dtype)
         block = mx.concatenate([anchor, mask_ids])[None]
         embeds = target.embed(block)
         if self.args.input_embedding_scale != 1.0:
             embeds = embeds * self.args.input_embedding_scale
-        hidden = self(embeds, cache)[0, 1:]
+        hidden = self(embeds, cache)[0, 1 : 1 + K]
         return self.compute_logits(target.lm_head(hidden))
 
     def train_hidden(
