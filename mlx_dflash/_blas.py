@@ -83,7 +83,7 @@ class _DlInfo(ctypes.Structure):
 
 
 def sgemm_provider() -> str | None:
-    """The file of the library that global symbol lookup binds ``cblas_sgemm`` to (what MLX uses)."""
+    """The library file that global symbol lookup binds ``cblas_sgemm`` to (what MLX uses)."""
     if not sys.platform.startswith("linux"):
         return None
     process = ctypes.CDLL(None)

@@ -40,7 +40,7 @@ def make_target(
     seed: int = 0,
     scale: float = 3.0,
 ):
-    """A random float32 mlx-lm model; weights scaled up so logits have clear gaps (few near-ties)."""
+    """A random float32 mlx-lm model; weights scaled up so logits have clear gaps."""
     module = importlib.import_module(f"mlx_lm.models.{model_type}")
     config = dict(
         model_type=model_type,

@@ -54,7 +54,8 @@ def train(
     if mask_token_id is None:
         mask = getattr(tokenizer, "mask_token_id", None)
         mask_token_id = mask if mask is not None else 16
-        typer.echo(f"mask token id: {mask_token_id} ({tokenizer.convert_ids_to_tokens(mask_token_id)})")
+        name = tokenizer.convert_ids_to_tokens(mask_token_id)
+        typer.echo(f"mask token id: {mask_token_id} ({name})")
     data_dir = out / "data"
     rows = []
     for f in prompts:
@@ -79,9 +80,8 @@ def train(
         for text in texts:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                 add_generation_prompt=True)
-            for r in stream_generate(target, drafter, tokenizer, ids, max_tokens=128):
-                pass
-            lengths += r.stats.acceptance_lengths
+            *_, last = stream_generate(target, drafter, tokenizer, ids, max_tokens=128)
+            lengths += last.stats.acceptance_lengths
         tau = sum(lengths) / max(len(lengths), 1)
         (out / "eval.json").write_text(json.dumps({"prompts": str(eval_prompts),
                                                    "n": len(texts), "block_size": block_size,

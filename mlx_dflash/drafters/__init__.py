@@ -1,4 +1,4 @@
-"""Drafter loading: read config.json, pick the family from `architectures`, load and check weights."""
+"""Drafter loading: read config.json, pick the family by `architectures`, load, check weights."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def resolve_path(path_or_hf_repo: str | Path) -> Path:
 def load_drafter(
     path_or_hf_repo: str | Path, model: Any = None, dtype: mx.Dtype | None = None
 ) -> DFlashDraftModel:
-    """Load a drafter checkpoint (z-lab layout). If ``model`` (the target) is given, check it fits."""
+    """Load a drafter checkpoint (z-lab layout); with ``model`` (the target), check it fits."""
     path = resolve_path(path_or_hf_repo)
     config_file = path / "config.json"
     if not config_file.exists():
@@ -59,7 +59,8 @@ def load_drafter(
         raise ValueError(f"drafter config {config_file} is not valid JSON: {e}") from e
     arch = (config.get("architectures") or ["DFlashDraftModel"])[0]
     if arch in NOT_YET:
-        raise NotImplementedError(f"{path}: {NOT_YET[arch]} drafters ({arch}) are not supported yet")
+        raise NotImplementedError(
+            f"{path}: {NOT_YET[arch]} drafters ({arch}) are not supported yet")
     if arch not in FAMILIES:
         raise ValueError(
             f"{path}: unknown drafter architecture '{arch}' (supported: {', '.join(FAMILIES)})"

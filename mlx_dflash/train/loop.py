@@ -197,7 +197,7 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
         step += 1
         if n == 0:
             continue
-        grads = tree_map(lambda g: g / n, grads_sum)
+        grads = tree_map(lambda g, n=n: g / n, grads_sum)
         grads, grad_norm = _clip(grads, config.grad_clip)
         optimizer.update(drafter, grads)
         mx.eval(drafter.parameters(), optimizer.state, loss_sum, acc_sum)
@@ -207,7 +207,8 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
         rate = positions / (time.perf_counter() - tic)
         bar.set_postfix(loss=f"{smooth:.3f}", acc1=f"{acc[0]:.2f}", tok_s=f"{rate:.0f}")
         bar.update(1)
-        log.write(json.dumps({"step": step, "loss": loss_value, "lr": optimizer.learning_rate.item(),
+        lr = optimizer.learning_rate.item()
+        log.write(json.dumps({"step": step, "loss": loss_value, "lr": lr,
                               "grad_norm": grad_norm.item(), "acc": acc,
                               "time": time.perf_counter() - tic}) + "\n")
         log.flush()
