@@ -1,0 +1,105 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic validates them before any work).
+
+Strict types (no "5" for 5, no 1 for true) like the OpenAI API; unknown fields are ignored so
+clients that send extras (``user``, ``logprobs``, ...) still work.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+# Seeds are reduced mod 2**64 for mx.random.seed; allow the usual signed and unsigned 64-bit range.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _integral_float(value: object) -> object:
+    # JSON Schema counts 1.0 as an integer; strict pydantic would not. Strings stay rejected.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral_float)]
+
+StopField = Optional[
+    Union[str, Annotated[list[str], Field(max_length=16)]]
+]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    max_tokens: Optional[Annotated[Int, Field(ge=1)]] = None
+    max_completion_tokens: Optional[Annotated[Int, Field(ge=1)]] = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[Int, Field(ge=0)] = 0
+    n: Annotated[Int, Field(ge=1, le=1, description="Only 1 is supported.")] = 1
+    stop: StopField = None
+    seed: Optional[Annotated[Int, Field(ge=SEED_MIN, le=SEED_MAX)]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """(value, parameter name): ``max_completion_tokens`` wins, as in OpenAI's API."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]  # an empty stop string would end every reply at once
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+class CompletionRequest(SamplingRequest):
+    # A string, a list of token ids, or a list of either (a batch: only one item is served).
+    prompt: Union[
+        str,
+        Annotated[list[Annotated[Int, Field(ge=0)]], Field(min_length=1)],
+        Annotated[list[str], Field(min_length=1)],
+        Annotated[list[Annotated[list[Annotated[Int, Field(ge=0)]], Field(min_length=1)]],
+                  Field(min_length=1)],
+    ]
+
+    def single_prompt(self) -> str | list[int] | None:
+        """The one prompt; None for a batch of several (answered with a 400 by the caller)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return p[0] if len(p) == 1 else None
+        return p
