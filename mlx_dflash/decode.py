@@ -203,6 +203,34 @@ def stream_generate(
         stats.prompt_tps = len(tokens) / (time.perf_counter() - tic)
         tic = time.perf_counter()
 
+        def draft_and_verify(anchor: mx.array, K: int):
+            """Build (lazily) one cycle: K drafts after the anchor, one verify, acceptance."""
+            draft_probs = None
+            if K > 0:
+                # A drafter trained on blocks of size b always drafts with b inputs (its
+                # attention over the MASK positions is bidirectional); we verify the first K.
+                draft_block = max(B, drafter.block_size)
+                draft_logits = drafter.draft_logits(target, anchor, draft_cache, draft_block, K)
+                if params.greedy:
+                    drafts = mx.argmax(draft_logits, axis=-1).astype(mx.uint32)
+                else:
+                    scaled = sampling_logits(draft_logits, params)
+                    drafts = mx.random.categorical(scaled).astype(mx.uint32)
+                    draft_probs = mx.softmax(scaled, axis=-1)
+            else:
+                drafts = mx.zeros((0,), dtype=mx.uint32)
+            # Verify: one target pass over [anchor] + drafts.
+            logits, features = target.forward(mx.concatenate([anchor, drafts])[None], cache,
+                                              layer_ids)
+            if params.greedy:
+                accepted_len, next_tokens = greedy_accept(drafts, logits[0])
+            elif K > 0:
+                accepted_len, next_tokens = rejection_accept(drafts, draft_probs, logits[0], params)
+            else:
+                accepted_len, next_tokens = mx.array(0), sample_first(logits[0, -1], params)
+            packed = mx.concatenate([accepted_len.astype(mx.uint32)[None], drafts, next_tokens])
+            return packed, next_tokens, features
+
         new_tokens = [first]
         accepted = 0
         while True:
@@ -224,42 +252,17 @@ def stream_generate(
                 final.tokens, final.accepted = new_tokens, accepted
                 yield final
                 return
+
+            # Start the next cycle before handing these tokens to the caller, so its compute
+            # overlaps whatever the caller does with them. Never draft past max_tokens.
+            K = min(B - 1, max_tokens - stats.generation_tokens - 1)
+            packed, next_tokens, features = draft_and_verify(anchor, K)
+            mx.async_eval(packed)
             yield GenerationResponse(detokenizer.last_segment, new_tokens, accepted, stats)
 
-            # Draft: K tokens after the anchor; never more than can still be emitted.
-            K = min(B - 1, max_tokens - stats.generation_tokens - 1)
-            draft_probs = None
-            if K > 0:
-                # A drafter trained on blocks of size b always drafts with b inputs (its
-                # attention over the MASK positions is bidirectional); we verify the first K.
-                draft_block = max(B, drafter.block_size)
-                draft_logits = drafter.draft_logits(target, anchor, draft_cache, draft_block, K)
-                if params.greedy:
-                    drafts = mx.argmax(draft_logits, axis=-1).astype(mx.uint32)
-                else:
-                    scaled = sampling_logits(draft_logits, params)
-                    drafts = mx.random.categorical(scaled).astype(mx.uint32)
-                    draft_probs = mx.softmax(scaled, axis=-1)
-                verify_tokens = mx.concatenate([anchor, drafts])
-            else:
-                drafts = mx.zeros((0,), dtype=mx.uint32)
-                verify_tokens = anchor
-
-            # Verify: one target pass over [anchor] + drafts.
-            logits, features = target.forward(verify_tokens[None], cache, layer_ids)
-            if params.greedy:
-                accepted_len, next_tokens = greedy_accept(drafts, logits[0])
-            elif K > 0:
-                accepted_len, next_tokens = rejection_accept(drafts, draft_probs, logits[0], params)
-            else:
-                accepted_len, next_tokens = mx.array(0), sample_first(logits[0, -1], params)
-
-            # The one host sync of the cycle.
-            packed = mx.concatenate([accepted_len.astype(mx.uint32)[None], drafts, next_tokens])
-            values = packed.tolist()
+            values = packed.tolist()  # the one host sync of the cycle
             accepted = values[0]
             new_tokens = values[1 : 1 + accepted] + [values[1 + K + accepted]]
-
             target.rollback(cache, K - accepted)
             if drafter is not None:
                 drafter.commit(features[:, : accepted + 1], draft_cache)
