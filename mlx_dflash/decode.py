@@ -132,6 +132,8 @@ def prefill(
     layer_ids = drafter.target_layer_ids if drafter is not None else ()
     prompt = mx.array(tokens, dtype=mx.uint32)[None]
     n = len(tokens)
+    if progress is not None:
+        progress(0, n)
     for start in range(0, n, step):
         hidden, features = target.hidden_states(prompt[:, start : start + step], cache, layer_ids)
         if drafter is not None:

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from typing import Any, Optional
 
 import typer
 
 from .app import app, fail
-from .common import load_pair
+from .common import PrefillProgress, load_pair
 
 COMMANDS = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
-LONG_PROMPT = 512  # tokens; from here on the prefill gets a progress line
 
 
 def measure_pass_costs(model: Any, drafter: Any, block_size: int, context: int = 64,
@@ -72,30 +70,6 @@ def render_prompt(tokenizer: Any, messages: list[dict]) -> list[int]:
     if isinstance(out, dict) or hasattr(out, "input_ids"):  # BatchEncoding from some versions
         out = out["input_ids"]
     return [int(t) for t in out]
-
-
-class _PrefillProgress:
-    """A live 'prefill done/total' line on stderr for long prompts; erased when decoding starts."""
-
-    def __init__(self, total: int) -> None:
-        self.active = total >= LONG_PROMPT
-        self.tty = sys.stderr.isatty()
-        self.total = total
-        if self.active:
-            self(0, total)
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.active:
-            return
-        if self.tty:
-            print(f"\r[prefill {done}/{total} tokens]", end="", file=sys.stderr, flush=True)
-        elif done == 0:
-            print(f"[prefill {total} tokens]", file=sys.stderr, flush=True)
-
-    def clear(self) -> None:
-        if self.active and self.tty:
-            print("\r\x1b[K", end="", file=sys.stderr, flush=True)
-        self.active = False
 
 
 @app.command(
@@ -177,7 +151,7 @@ def chat(
 
         messages.append({"role": "user", "content": text})
         prompt = render_prompt(tokenizer, messages)
-        progress = _PrefillProgress(len(prompt))
+        progress = PrefillProgress()
         reply, last = [], None
         try:
             for last in stream_generate(

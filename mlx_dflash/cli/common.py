@@ -7,6 +7,31 @@ from typing import Any
 
 from .app import fail
 
+LONG_PROMPT = 512  # tokens; from here on the prefill gets a progress line
+
+
+class PrefillProgress:
+    """A live 'prefill done/total' line on stderr for long prompts; erased when decoding starts."""
+
+    def __init__(self) -> None:
+        self.active = None  # decided on the first call, when the prompt length is known
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.active is None:
+            self.active = total >= LONG_PROMPT
+        if not self.active:
+            return
+        if self.tty:
+            print(f"\r[prefill {done}/{total} tokens]", end="", file=sys.stderr, flush=True)
+        elif done == 0:
+            print(f"[prefill {total} tokens]", file=sys.stderr, flush=True)
+
+    def clear(self) -> None:
+        if self.active and self.tty:
+            print("\r\x1b[K", end="", file=sys.stderr, flush=True)
+        self.active = False
+
 
 def load_pair(model: str | None, drafter: str | None, block_size: int | None = None) -> tuple:
     """(model, drafter, tokenizer). No --model: the package's default pair."""

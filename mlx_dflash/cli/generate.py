@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from .app import app, fail
-from .common import chat_prompt, load_pair
+from .common import PrefillProgress, chat_prompt, load_pair
 
 
 @app.command()
@@ -44,12 +44,13 @@ def generate(
     target, draft, tokenizer = load_pair(model, drafter)
     if seed is not None:
         mx.random.seed(seed)
-    last = None
+    last, progress = None, PrefillProgress()
     for last in stream_generate(
         target, draft, tokenizer, chat_prompt(tokenizer, text, not no_chat_template),
         max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k,
-        block_size=block_size,
+        block_size=block_size, prompt_progress=progress,
     ):
+        progress.clear()
         print(last.text, end="", flush=True)
     print()
     if last is not None:
