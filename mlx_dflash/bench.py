@@ -154,15 +154,17 @@ def run_bench(
 
 
 def format_table(results: dict) -> str:
-    lines = ["| domain | variant | tok/s | speedup | mean acc. len | verify/decode cost | "
-             "outputs = plain |", "|---|---|---:|---:|---:|---:|---|"]
+    """The results as a Markdown table (one row per domain and variant)."""
+    lines = ["| domain | prompts | variant | tok/s | speedup | mean acceptance length | "
+             "verify/decode cost | outputs equal to plain |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
     for domain, e in results["domains"].items():
-        lines.append(f"| {domain} | plain mlx-lm | {e['plain']['tokens_per_s']:.1f} | 1.00x | "
-                     "- | - | - |")
+        lines.append(f"| {domain} | {e['prompts']} | plain mlx-lm | "
+                     f"{e['plain']['tokens_per_s']:.1f} | 1.00x | 1.00 | 1.00 | - |")
         for B, s in e["speculative"].items():
             same = e["prompts"] - s["outputs_differing_from_plain"]
             lines.append(
-                f"| {domain} | DFlash B={B} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | "
-                f"{s['mean_acceptance_length']:.2f} | {s['verify_decode_ratio']:.2f} | "
-                f"{same}/{e['prompts']} |")
+                f"| {domain} | {e['prompts']} | DFlash B={B} | {s['tokens_per_s']:.1f} | "
+                f"{s['speedup']:.2f}x | {s['mean_acceptance_length']:.2f} | "
+                f"{s['verify_decode_ratio']:.2f} | {same}/{e['prompts']} |")
     return "\n".join(lines)

@@ -1,12 +1,14 @@
 """Turn `mlx-dflash bench --json` output into BENCHMARKS.md tables and a PNG plot.
 
-Usage: python scripts/bench_report.py results.json [--plot docs/bench.png] [--notes notes.md]
+Usage: python scripts/bench_report.py results.json [--plot docs/bench.png]
 Prints the Markdown; the plot needs matplotlib (pip install matplotlib).
 """
 
 import argparse
 import json
 from pathlib import Path
+
+from mlx_dflash.bench import format_table
 
 
 def markdown(results: dict) -> str:
@@ -18,19 +20,8 @@ def markdown(results: dict) -> str:
         f"greedy, max_tokens {s['max_tokens']}, block sizes {s['block_sizes']}; per prompt the "
         "plain run and each block size run back to back (interleaved).",
         "",
-        "| domain | prompts | variant | tok/s | speedup | mean acceptance length | "
-        "verify/decode cost | outputs equal to plain |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        format_table(results),
     ]
-    for domain, e in results["domains"].items():
-        out.append(f"| {domain} | {e['prompts']} | plain mlx-lm | "
-                   f"{e['plain']['tokens_per_s']:.1f} | 1.00x | 1.00 | 1.00 | - |")
-        for B, r in e["speculative"].items():
-            same = e["prompts"] - r["outputs_differing_from_plain"]
-            out.append(
-                f"| {domain} | {e['prompts']} | DFlash B={B} | {r['tokens_per_s']:.1f} | "
-                f"{r['speedup']:.2f}x | {r['mean_acceptance_length']:.2f} | "
-                f"{r['verify_decode_ratio']:.2f} | {same}/{e['prompts']} |")
     out += ["", "Acceptance rate by block position (fraction of cycles whose draft at position k "
             "was accepted, among cycles that drafted position k):", ""]
     blocks = [str(b) for b in s["block_sizes"]]

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 
 import pytest
-from tiny import make_drafter, make_target, make_tokenizer
+from tiny import make_drafter, make_target, make_tokenizer, save_target
 
 import mlx_dflash
 
@@ -28,20 +27,9 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def tiny_chat_pair(tmp_path_factory):
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     root = tmp_path_factory.mktemp("chat")
     model = make_target("qwen3", vocab_size=96)
-    target_dir = root / "target"
-    target_dir.mkdir()
-    mx.save_safetensors(str(target_dir / "model.safetensors"),
-                        dict(tree_flatten(model.parameters())))
-    config = {k: v for k, v in vars(model.args).items() if not k.startswith("_")}
-    (target_dir / "config.json").write_text(json.dumps(config))
-    hf = make_tokenizer(96)._tokenizer
-    hf.chat_template = TEMPLATE
-    hf.save_pretrained(str(target_dir))
+    target_dir = save_target(model, make_tokenizer(96), root / "target", TEMPLATE)
     drafter_dir = root / "drafter"
     mlx_dflash.save_drafter(make_drafter(model, block_size=4), drafter_dir)
     return target_dir, drafter_dir

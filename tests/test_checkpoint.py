@@ -4,7 +4,7 @@ import json
 
 import mlx.core as mx
 import pytest
-from tiny import make_drafter, make_target
+from tiny import make_drafter, make_target, zlab_config
 
 from mlx_dflash import DrafterMismatchError, load_drafter, save_drafter
 
@@ -30,28 +30,7 @@ def zlab_checkpoint(tmp_path, drafter, **config_changes):
     """Write a checkpoint exactly as z-lab publishes it (their config fields and key names)."""
     from mlx.utils import tree_flatten
 
-    a = drafter.args
-    config = {
-        "architectures": ["DFlashDraftModel"],
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-        "model_type": "qwen3",
-        "block_size": a.block_size,
-        "dflash_config": {"mask_token_id": a.mask_token_id,
-                          "target_layer_ids": a.target_layer_ids},
-        "hidden_size": a.hidden_size,
-        "intermediate_size": a.intermediate_size,
-        "num_attention_heads": a.num_attention_heads,
-        "num_key_value_heads": a.num_key_value_heads,
-        "head_dim": a.head_dim,
-        "num_hidden_layers": a.num_hidden_layers,
-        "num_target_layers": a.num_target_layers,
-        "vocab_size": a.vocab_size,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": a.rope_theta,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
+    config = zlab_config(drafter)
     for key, value in config_changes.items():
         if key in ("target_layer_ids", "mask_token_id"):
             config["dflash_config"][key] = value

@@ -1,29 +1,19 @@
 """`mlx-dflash generate --model DIR --drafter DIR` end to end on a tiny saved pair."""
 
-import json
 import subprocess
 import sys
 
 import pytest
-from tiny import make_drafter, make_target, make_tokenizer
+from tiny import make_drafter, make_target, make_tokenizer, save_target
 
 from mlx_dflash import save_drafter
 
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
-    from mlx.utils import tree_flatten
-    import mlx.core as mx
-
     root = tmp_path_factory.mktemp("pair")
     model = make_target("qwen3", vocab_size=96)
-    target_dir = root / "target"
-    target_dir.mkdir()
-    mx.save_safetensors(str(target_dir / "model.safetensors"),
-                        dict(tree_flatten(model.parameters())))
-    config = {k: v for k, v in vars(model.args).items() if not k.startswith("_")}
-    (target_dir / "config.json").write_text(json.dumps(config))
-    make_tokenizer(96)._tokenizer.save_pretrained(str(target_dir))
+    target_dir = save_target(model, make_tokenizer(96), root / "target")
     drafter_dir = root / "drafter"
     save_drafter(make_drafter(model, block_size=4), drafter_dir)
     return target_dir, drafter_dir

@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
-from tiny import make_drafter, make_target, make_tokenizer
+from tiny import make_drafter, make_target, make_tokenizer, zlab_config
 from typer.testing import CliRunner
 
 import mlx_dflash
@@ -28,29 +28,8 @@ def pair():
 
 def hf_drafter_dir(path, drafter):
     """A drafter as Hugging Face hosts it: z-lab config fields, bf16 safetensors, a README."""
-    a = drafter.args
     path.mkdir()
-    config = {
-        "architectures": ["DFlashDraftModel"],
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-        "model_type": "qwen3",
-        "block_size": a.block_size,
-        "dflash_config": {"mask_token_id": a.mask_token_id,
-                          "target_layer_ids": a.target_layer_ids},
-        "hidden_size": a.hidden_size,
-        "intermediate_size": a.intermediate_size,
-        "num_attention_heads": a.num_attention_heads,
-        "num_key_value_heads": a.num_key_value_heads,
-        "head_dim": a.head_dim,
-        "num_hidden_layers": a.num_hidden_layers,
-        "num_target_layers": a.num_target_layers,
-        "vocab_size": a.vocab_size,
-        "rms_norm_eps": a.rms_norm_eps,
-        "rope_theta": a.rope_theta,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
+    config = zlab_config(drafter)
     (path / "config.json").write_text(json.dumps(config))
     weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(drafter.parameters())}
     mx.save_safetensors(str(path / "model.safetensors"), weights)

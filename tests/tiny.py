@@ -92,3 +92,46 @@ def make_drafter(
     drafter = DFlashDraftModel(args)
     mx.eval(drafter.parameters())
     return drafter
+
+
+def zlab_config(drafter: DFlashDraftModel) -> dict:
+    """config.json exactly as z-lab publishes a DFlash drafter (their fields and names)."""
+    a = drafter.args
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "block_size": a.block_size,
+        "dflash_config": {"mask_token_id": a.mask_token_id,
+                          "target_layer_ids": a.target_layer_ids},
+        "hidden_size": a.hidden_size,
+        "intermediate_size": a.intermediate_size,
+        "num_attention_heads": a.num_attention_heads,
+        "num_key_value_heads": a.num_key_value_heads,
+        "head_dim": a.head_dim,
+        "num_hidden_layers": a.num_hidden_layers,
+        "num_target_layers": a.num_target_layers,
+        "vocab_size": a.vocab_size,
+        "rms_norm_eps": a.rms_norm_eps,
+        "rope_theta": a.rope_theta,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def save_target(model, tokenizer: TokenizerWrapper, path, chat_template: str | None = None):
+    """Write a tiny target as an mlx-lm model directory (config, weights, tokenizer)."""
+    import json
+
+    from mlx.utils import tree_flatten
+
+    path.mkdir(parents=True)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = {k: v for k, v in vars(model.args).items() if not k.startswith("_")}
+    (path / "config.json").write_text(json.dumps(config))
+    hf = tokenizer._tokenizer
+    if chat_template is not None:
+        hf.chat_template = chat_template
+    hf.save_pretrained(str(path))
+    return path
