@@ -52,7 +52,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     max_seq_len: int = 1024
-    save_every: int = 100
+    save_every: int = 25
     val_fraction: float = 0.02
     init_from_target: bool = True
     seed: int = 0
@@ -101,9 +101,30 @@ def _clip(grads: Any, max_norm: float) -> tuple[Any, mx.array]:
     return optim.clip_grad_norm(grads, max_norm)
 
 
-def _save(out: Path, drafter, optimizer, state: dict) -> None:
+def feature_scale(features: list[mx.array]) -> mx.array:
+    """Per-dimension 1/RMS of target features (position 0, the attention sink, left out).
+
+    Target hidden states carry a few "massive" dimensions (100x the rest) that swamp a randomly
+    initialised ``fc``; training on standardised features and folding the scale into ``fc``
+    when saving keeps the z-lab architecture and conditions the optimisation.
+    """
+    x = mx.concatenate([f[0, 1:] for f in features], axis=0).astype(mx.float32)
+    return 1.0 / mx.maximum(mx.sqrt((x * x).mean(axis=0)), 1e-3)
+
+
+def _fold_scale(drafter, scale: mx.array, inverse: bool = False) -> None:
+    """fc(x * s) == fc_folded(x) with fc_folded.weight = fc.weight * s."""
+    drafter.fc.weight = drafter.fc.weight * (1.0 / scale if inverse else scale)[None, :]
+
+
+def _save(out: Path, drafter, optimizer, state: dict, scale: mx.array) -> None:
     ckpt = out / "checkpoint"
-    save_drafter(drafter, ckpt)
+    _fold_scale(drafter, scale)
+    try:
+        save_drafter(drafter, ckpt)
+    finally:
+        _fold_scale(drafter, scale, inverse=True)
+    mx.save(str(ckpt / "feature_scale.npy"), scale)
     opt_state = dict(tree_flatten(optimizer.state))
     mx.savez(str(ckpt / "optimizer.npz"), **opt_state)
     (ckpt / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
@@ -133,10 +154,16 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
     if (ckpt / "trainer_state.json").exists():
         state = json.loads((ckpt / "trainer_state.json").read_text())
         drafter = load_drafter(ckpt, model=target)
+        scale = mx.load(str(ckpt / "feature_scale.npy"))
+        _fold_scale(drafter, scale, inverse=True)  # checkpoints hold the folded fc
         step = state["step"]
         print(f"Resuming from {ckpt} at step {step}")
     else:
         drafter = new_drafter(target, config)
+        sample = [mx.array(examples[i])[None] for i in train_idx[:16]]
+        scale = feature_scale([target.hidden_states(x, None, drafter.target_layer_ids)[1]
+                               for x in sample])
+        mx.eval(scale)
     drafter.train()
 
     steps_per_epoch = max(1, len(train_idx) // config.grad_accum)
@@ -154,7 +181,7 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
     def features_of(i: int) -> mx.array:
         if i not in feature_cache:
             _, feats = target.hidden_states(mx.array(examples[i])[None], None, layer_ids)
-            feature_cache[i] = feats.astype(mx.float16)
+            feature_cache[i] = (feats * scale).astype(mx.float16)
             mx.eval(feature_cache[i])
         return feature_cache[i].astype(mx.float32)
 
@@ -213,9 +240,10 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
                               "time": time.perf_counter() - tic}) + "\n")
         log.flush()
         if step % config.save_every == 0 or step == total_steps:
-            _save(out, drafter, optimizer, {"step": step, "config": asdict(config)})
+            _save(out, drafter, optimizer, {"step": step, "config": asdict(config)}, scale)
     bar.close()
     log.close()
+    _fold_scale(drafter, scale)  # from here on the drafter reads raw target features
     drafter.eval()
     if len(val_idx):
         val = validate(drafter, target, [examples[i] for i in val_idx],
