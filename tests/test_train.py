@@ -80,3 +80,29 @@ def test_regenerate_train_and_round_trip(tmp_path):
     train(model, config, progress=False)
     log2 = [json.loads(line) for line in open(tmp_path / "run" / "train_log.jsonl")]
     assert log2[len(log)]["step"] == len(log) + 1
+
+
+def test_sliding_window_drafter_train_matches_inference_and_is_lossless():
+    from test_lossless_greedy import reference, speculative
+
+    model = make_target("llama")
+    target = Target(model)
+    drafter = make_drafter(model, block_size=4, layer_ids=(0, 2), num_layers=2,
+                           layer_types=["sliding_attention", "full_attention"],
+                           sliding_window=3, is_causal=False)
+    tokens = mx.array([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]])
+    _, feats = target.hidden_states(tokens, None, drafter.target_layer_ids)
+    blocks = mx.array([[11, 2, 2, 2]])
+    out = drafter.train_hidden(target.embed(blocks), feats, mx.array([6]))
+    cache = drafter.make_cache()
+    drafter.commit(feats[:, :6], cache)
+    assert mx.allclose(drafter(target.embed(blocks), cache)[0], out[0], atol=1e-4)
+    # Far context still reaches the block through the full-attention layer.
+    changed = mx.concatenate([feats[:, :2, ::-1], feats[:, 2:]], axis=1)
+    out2 = drafter.train_hidden(target.embed(blocks), changed, mx.array([6]))
+    assert not mx.allclose(out, out2)
+    tok = make_tokenizer(128)
+    prompt = [4, 5, 6, 7, 8, 9, 10]
+    want, _ = reference(model, prompt, 20)
+    got, _, _ = speculative(model, drafter, tok, prompt, 20, 4)
+    assert got == want
