@@ -172,7 +172,8 @@ def stream_generate(
     target = as_target(model)
     if drafter is not None:
         check_fits(drafter, target)
-    B = 1 if drafter is None else (block_size or drafter.block_size)
+    B = 1 if drafter is None else (
+        block_size or drafter.args.verify_block_size or drafter.block_size)
     if B < 1:
         raise ValueError(f"block_size must be >= 1, got {B}")
     if B == 1:

@@ -138,3 +138,17 @@ def test_hub_id_uses_huggingface_hub(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     assert load_drafter("z-lab/tiny-DFlash", model=model).block_size == 8
     assert calls == ["z-lab/tiny-DFlash"]
+
+
+def test_verify_block_size_default_round_trips(tmp_path):
+    from tiny import make_tokenizer
+
+    from mlx_dflash import stream_generate
+
+    model = make_target("qwen3")
+    drafter = make_drafter(model, block_size=8, layer_ids=(0, 1), verify_block_size=3)
+    save_drafter(drafter, tmp_path / "d")
+    loaded = load_drafter(tmp_path / "d", model=model)
+    assert loaded.block_size == 8 and loaded.args.verify_block_size == 3
+    *_, last = stream_generate(model, loaded, make_tokenizer(128), [4, 5], max_tokens=6)
+    assert last.stats.block_size == 3 and max(last.stats.draft_lengths) == 2

@@ -161,6 +161,8 @@ def drafter_config(drafter: DFlashDraftModel, architecture: str = "DFlashDraftMo
         "num_target_layers": a.num_target_layers,
         "tie_word_embeddings": False,
     }
+    if a.verify_block_size is not None:
+        config["verify_block_size"] = a.verify_block_size
     if a.sliding_window is not None:
         config["layer_types"] = a.layer_types
         config["sliding_window"] = a.sliding_window

@@ -41,6 +41,9 @@ class DraftArgs:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     input_embedding_scale: float = 1.0
+    # Drafts verified per cycle when the caller does not say (the block width the drafter runs
+    # at is always block_size); the measured best on a machine can be well below block_size.
+    verify_block_size: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -98,6 +101,7 @@ class DraftArgs:
             output_multiplier=float(pick("output_multiplier", 1.0) or 1.0),
             final_logit_softcapping=float(softcap) if softcap else None,
             input_embedding_scale=float(pick("input_embedding_scale", 1.0) or 1.0),
+            verify_block_size=pick("verify_block_size"),
         )
 
 
