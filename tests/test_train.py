@@ -75,6 +75,12 @@ def test_regenerate_train_and_round_trip(tmp_path):
     assert mx.allclose(drafter.fc.weight, trained.fc.weight, atol=1e-6)
     state = json.loads((tmp_path / "run" / "checkpoint" / "trainer_state.json").read_text())
     assert state["step"] == len(log)
+    # A new run can start from a saved drafter: its first loss is the trained level.
+    config2 = TrainConfig(**{**config.__dict__, "out_dir": str(tmp_path / "run2"), "epochs": 1,
+                             "init_from": str(tmp_path / "run" / "checkpoint")})
+    train(model, config2, progress=False)
+    log3 = [json.loads(line) for line in open(tmp_path / "run2" / "train_log.jsonl")]
+    assert log3[0]["loss"] < first
     # Resume: one more epoch continues from the saved step.
     config.epochs = 9
     train(model, config, progress=False)

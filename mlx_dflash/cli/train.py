@@ -31,6 +31,9 @@ def train(
     learning_rate: float = typer.Option(6e-4, "--lr"),
     anchors: int = typer.Option(32, "--anchors", min=1, help="Anchors per sequence."),
     grad_accum: int = typer.Option(4, "--grad-accum", min=1),
+    init_from: Optional[str] = typer.Option(None, "--init-from",
+                                            help="Continue from a saved drafter (dir or shipped "
+                                            "name) instead of a fresh one."),
     eval_prompts: Optional[Path] = typer.Option(None, "--eval-prompts",
                                                 help="Held-out prompts for a final "
                                                 "acceptance evaluation."),
@@ -39,6 +42,7 @@ def train(
     """Train a DFlash drafter for a target (data regeneration is resumable)."""
     from mlx_lm import load
 
+    from ..default import resolve_drafter
     from ..train.data import read_prompts, regenerate, stdlib_code_prompts
     from ..train.loop import TrainConfig
     from ..train.loop import train as run_training
@@ -69,7 +73,8 @@ def train(
     config = TrainConfig(data_dir=str(data_dir), out_dir=str(out), block_size=block_size,
                          num_layers=layers, num_taps=taps, mask_token_id=mask_token_id,
                          epochs=epochs, learning_rate=learning_rate, num_anchors=anchors,
-                         grad_accum=grad_accum)
+                         grad_accum=grad_accum,
+                         init_from=resolve_drafter(init_from) if init_from else None)
     drafter = run_training(target, config)
     if eval_prompts:
         from ..bench import load_prompt_sets

@@ -55,6 +55,7 @@ class TrainConfig:
     save_every: int = 25
     val_fraction: float = 0.02
     init_from_target: bool = True
+    init_from: str | None = None  # start from a saved drafter (e.g. a shipped one)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -159,11 +160,17 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
         step = state["step"]
         print(f"Resuming from {ckpt} at step {step}")
     else:
-        drafter = new_drafter(target, config)
+        if config.init_from:
+            drafter = load_drafter(config.init_from, model=target, dtype=mx.float32)
+            print(f"Starting from the drafter in {config.init_from}")
+        else:
+            drafter = new_drafter(target, config)
         sample = [mx.array(examples[i])[None] for i in train_idx[:16]]
         scale = feature_scale([target.hidden_states(x, None, drafter.target_layer_ids)[1]
                                for x in sample])
         mx.eval(scale)
+        if config.init_from:
+            _fold_scale(drafter, scale, inverse=True)  # saved fc reads raw features
     drafter.train()
 
     steps_per_epoch = max(1, len(train_idx) // config.grad_accum)
