@@ -42,7 +42,9 @@ def measure_pass_costs(model: Any, drafter: Any, block_size: int, context: int =
 
     def draft_pass() -> None:
         anchor = mx.array([0], dtype=mx.uint32)
-        mx.eval(mx.argmax(drafter.draft_logits(target, anchor, draft_cache, block_size), -1))
+        width = max(block_size, drafter.block_size)  # as stream_generate drafts
+        mx.eval(mx.argmax(drafter.draft_logits(target, anchor, draft_cache, width,
+                                               block_size - 1), -1))
 
     def timed(fn: Any) -> float:
         fn()  # warm-up: compilation, allocation
@@ -112,7 +114,8 @@ def chat(
     if not getattr(tokenizer, "has_chat_template", False):
         fail(f"the tokenizer of {model or 'the default model'} has no chat template; "
              "use `mlx-dflash generate --no-chat-template` for plain text completion")
-    B = 1 if draft is None else (block_size or draft.block_size)
+    B = 1 if draft is None else (
+        block_size or draft.args.verify_block_size or draft.block_size)
     costs = None
     if draft is not None and B > 1:
         typer.echo("Timing target and drafter passes for the speedup estimate ...", err=True)
