@@ -5,17 +5,11 @@ from ._blas import load_fast_blas
 load_fast_blas()  # must run before the first `import mlx` in the process
 
 from .decode import GenerationResponse, GenerationStats, generate, stream_generate  # noqa: E402
+from .default import load_default  # noqa: E402
 from .drafters import DrafterMismatchError, load_drafter, save_drafter  # noqa: E402
 from .target import Target  # noqa: E402
 
 __version__ = "0.1.0"
-
-
-def load_default(progress: bool = True):
-    """The default pair for offline use: (model, drafter, tokenizer) for SmolLM2-135M-Instruct."""
-    from .default import load_default as _load_default
-
-    return _load_default(progress=progress)
 
 
 __all__ = [

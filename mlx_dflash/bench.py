@@ -29,27 +29,44 @@ def load_prompt_sets(files: list[str], limit: int | None) -> dict[str, list[str]
     return sets
 
 
-def verify_decode_ratio(model: Any, block_size: int, context: int = 256, reps: int = 5) -> dict:
-    """Seconds for a 1-token and a B-token target pass over a `context`-token cache, and ratio."""
+def measure_pass_costs(
+    model: Any, block_size: int, drafter: Any = None, context: int = 256, reps: int = 5
+) -> dict:
+    """Best-of-``reps`` seconds for a 1-token and a B-token target pass (and, with a drafter, one
+    drafter pass as stream_generate runs it) over a ``context``-token cache, and their ratio."""
     target = as_target(model)
+    layer_ids = drafter.target_layer_ids if drafter is not None else ()
     cache = target.make_cache()
-    target.forward(mx.zeros((1, context), dtype=mx.uint32), cache)
-    mx.eval([c.state for c in cache])
+    _, features = target.hidden_states(mx.zeros((1, context), dtype=mx.uint32), cache, layer_ids)
+    draft_cache = None
+    if drafter is not None:
+        draft_cache = drafter.make_cache()
+        drafter.commit(features, draft_cache)
+    mx.eval([c.state for c in cache + (draft_cache or [])])
 
-    def timed(n: int) -> float:
+    def target_pass(n: int) -> None:
+        mx.eval(target.forward(mx.ones((1, n), dtype=mx.uint32), cache, layer_ids))
+        target.rollback(cache, n)
+
+    def draft_pass() -> None:
+        width = max(block_size, drafter.block_size)  # as stream_generate drafts
+        anchor = mx.zeros((1,), dtype=mx.uint32)
+        mx.eval(drafter.draft_logits(target, anchor, draft_cache, width, block_size - 1))
+
+    def timed(fn: Any) -> float:
+        fn()  # warm-up: compilation, allocation
         best = float("inf")
         for _ in range(reps):
-            tokens = mx.ones((1, n), dtype=mx.uint32)
             tic = time.perf_counter()
-            logits, _ = target.forward(tokens, cache)
-            mx.eval(logits)
+            fn()
             best = min(best, time.perf_counter() - tic)
-            target.rollback(cache, n)
         return best
 
-    timed(1)  # warm-up
-    one, block = timed(1), timed(block_size)
-    return {"decode_s": one, "verify_s": block, "ratio": block / one}
+    one, block = timed(lambda: target_pass(1)), timed(lambda: target_pass(block_size))
+    costs = {"decode_s": one, "verify_s": block, "ratio": block / one}
+    if drafter is not None:
+        costs["draft_s"] = timed(draft_pass)
+    return costs
 
 
 def _plain(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> tuple[list, float]:
@@ -103,7 +120,7 @@ def run_bench(
         results["machine"]["blas"] = _blas.sgemm_provider() or "default"
     except Exception:  # noqa: BLE001 - informational only
         pass
-    cost = {B: verify_decode_ratio(model, B) for B in block_sizes}
+    cost = {B: measure_pass_costs(model, B) for B in block_sizes}
     results["verify_decode_cost"] = {str(B): c for B, c in cost.items()}
     total = sum(len(p) for p in prompt_sets.values()) * (1 + len(block_sizes))
     bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)

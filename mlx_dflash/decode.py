@@ -29,13 +29,22 @@ class GenerationStats:
     generation_tokens: int = 0
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
-    cycles: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
     block_size: int = 1
     peak_memory: float = 0.0  # GB
     acceptance_lengths: list[int] = field(default_factory=list)  # per cycle: accepted + 1
     draft_lengths: list[int] = field(default_factory=list)  # per cycle: drafts verified
+
+    @property
+    def cycles(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def drafted_tokens(self) -> int:
+        return sum(self.draft_lengths)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(self.acceptance_lengths) - len(self.acceptance_lengths)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -86,18 +95,22 @@ class GenerationResponse:
         return self.stats.peak_memory
 
 
-_targets: dict[int, tuple[weakref.ref, Target]] = {}
+_checked: dict[int, weakref.ref] = {}  # models whose tapped forward was checked once
 
 
 def as_target(model: Any) -> Target:
-    """The Target wrapper for an mlx-lm model, built (and checked) once per model object."""
+    """The Target wrapper for an mlx-lm model; the forward check runs once per model object.
+
+    Only weak references are kept, so a model that is dropped is freed.
+    """
     if isinstance(model, Target):
         return model
-    entry = _targets.get(id(model))
-    if entry is not None and entry[0]() is model:
-        return entry[1]
+    ref = _checked.get(id(model))
+    if ref is not None and ref() is model:
+        return Target(model, check=False)
     target = Target(model)
-    _targets[id(model)] = (weakref.ref(model), target)
+    key = id(model)
+    _checked[key] = weakref.ref(model, lambda _, key=key: _checked.pop(key, None))
     return target
 
 
@@ -270,9 +283,6 @@ def stream_generate(
             if drafter is not None:
                 drafter.commit(features[:, : accepted + 1], draft_cache)
             anchor = next_tokens[accepted : accepted + 1]
-            stats.cycles += 1
-            stats.drafted_tokens += K
-            stats.accepted_tokens += accepted
             stats.acceptance_lengths.append(accepted + 1)
             stats.draft_lengths.append(K)
             if stats.cycles % 256 == 0:

@@ -16,12 +16,12 @@ PROBE = r"""
 import json, sys
 import mlx_dflash
 from mlx_dflash import _blas
-from mlx_dflash.bench import verify_decode_ratio
+from mlx_dflash.bench import measure_pass_costs
 from mlx_lm import load
 model, _ = load(sys.argv[1])
 out = {"blas": _blas.sgemm_provider() or "bundled reference BLAS"}
 for B in (4, 8, 16):
-    out[B] = verify_decode_ratio(model, B, context=256, reps=5)
+    out[B] = measure_pass_costs(model, B, context=256, reps=5)
 print(json.dumps(out))
 """
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any, Optional
 
@@ -14,56 +13,11 @@ from .common import PrefillProgress, load_pair
 COMMANDS = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 
 
-def measure_pass_costs(model: Any, drafter: Any, block_size: int, context: int = 64,
-                       reps: int = 3) -> tuple[float, float, float]:
-    """Seconds for (a 1-token target pass, a B-token target pass, one drafter pass).
-
-    Timed after a ``context``-token prefix (so attention is not empty), median of ``reps`` runs
-    after one warm-up each; the caches are rolled back after every pass.
-    """
-    import mlx.core as mx
-
-    from ..decode import as_target
-
-    target = as_target(model)
-    layer_ids = drafter.target_layer_ids
-    cache = target.make_cache()
-    prefix = (mx.arange(context, dtype=mx.uint32) % target.vocab_size)[None]
-    _, features = target.hidden_states(prefix, cache, layer_ids)
-    draft_cache = drafter.make_cache()
-    drafter.commit(features, draft_cache)
-    mx.eval([c.state for c in cache] + [c.state for c in draft_cache])
-
-    def target_pass(n: int) -> None:
-        tokens = (mx.arange(n, dtype=mx.uint32) % target.vocab_size)[None]
-        logits, feats = target.forward(tokens, cache, layer_ids)
-        mx.eval(logits, feats)
-        target.rollback(cache, n)
-
-    def draft_pass() -> None:
-        anchor = mx.array([0], dtype=mx.uint32)
-        width = max(block_size, drafter.block_size)  # as stream_generate drafts
-        mx.eval(mx.argmax(drafter.draft_logits(target, anchor, draft_cache, width,
-                                               block_size - 1), -1))
-
-    def timed(fn: Any) -> float:
-        fn()  # warm-up: compilation, allocation
-        times = []
-        for _ in range(reps):
-            tic = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - tic)
-        return statistics.median(times)
-
-    return timed(lambda: target_pass(1)), timed(lambda: target_pass(block_size)), timed(draft_pass)
-
-
-def estimate_speedup(mean_acceptance: float, costs: tuple[float, float, float] | None) -> float:
+def estimate_speedup(mean_acceptance: float, costs: dict | None) -> float:
     """Tokens per cycle x (cost of one plain decode step / cost of one draft + verify cycle)."""
     if costs is None or mean_acceptance <= 0:
         return 1.0
-    one, block, draft = costs
-    return mean_acceptance * one / (block + draft)
+    return mean_acceptance * costs["decode_s"] / (costs["verify_s"] + costs["draft_s"])
 
 
 def render_prompt(tokenizer: Any, messages: list[dict]) -> list[int]:
@@ -119,10 +73,12 @@ def chat(
     costs = None
     if draft is not None and B > 1:
         typer.echo("Timing target and drafter passes for the speedup estimate ...", err=True)
-        costs = measure_pass_costs(target, draft, B)
-        one, block, dpass = costs
-        typer.echo(f"  target 1-token pass {one * 1e3:.1f} ms, {B}-token pass {block * 1e3:.1f} "
-                   f"ms; drafter pass {dpass * 1e3:.1f} ms", err=True)
+        from ..bench import measure_pass_costs
+
+        costs = measure_pass_costs(target, B, draft, context=64, reps=3)
+        typer.echo(f"  target 1-token pass {costs['decode_s'] * 1e3:.1f} ms, {B}-token pass "
+                   f"{costs['verify_s'] * 1e3:.1f} ms; drafter pass "
+                   f"{costs['draft_s'] * 1e3:.1f} ms", err=True)
     typer.echo(f"Ready in {time.perf_counter() - tic:.1f} s. {COMMANDS}.", err=True)
     if seed is not None:
         mx.random.seed(seed)

@@ -98,10 +98,6 @@ def _schedule(config: TrainConfig, total_steps: int):
     )
 
 
-def _clip(grads: Any, max_norm: float) -> tuple[Any, mx.array]:
-    return optim.clip_grad_norm(grads, max_norm)
-
-
 def feature_scale(features: list[mx.array]) -> mx.array:
     """Per-dimension 1/RMS of target features (position 0, the attention sink, left out).
 
@@ -138,11 +134,12 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
     target = model if isinstance(model, Target) else Target(model)
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    rows = list(iter_examples(config.data_dir))
     examples = [
         np.array((e["prompt_ids"] + e["response_ids"])[: config.max_seq_len], dtype=np.int32)
-        for e in iter_examples(config.data_dir)
+        for e in rows
     ]
-    prompt_lens = [len(e["prompt_ids"]) for e in iter_examples(config.data_dir)]
+    prompt_lens = [len(e["prompt_ids"]) for e in rows]
     rng = np.random.default_rng(config.seed)
     order = rng.permutation(len(examples))
     n_val = max(1, int(config.val_fraction * len(examples))) if len(examples) > 10 else 0
@@ -232,7 +229,7 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
         if n == 0:
             continue
         grads = tree_map(lambda g, n=n: g / n, grads_sum)
-        grads, grad_norm = _clip(grads, config.grad_clip)
+        grads, grad_norm = optim.clip_grad_norm(grads, config.grad_clip)
         optimizer.update(drafter, grads)
         mx.eval(drafter.parameters(), optimizer.state, loss_sum, acc_sum)
         loss_value = loss_sum.item() / n
