@@ -50,6 +50,28 @@ def sample_first(logits: mx.array, params: SamplingParams) -> mx.array:
     return mx.random.categorical(sampling_logits(logits, params))[None].astype(mx.uint32)
 
 
+def proposal_from_logits(
+    logits: mx.array, params: SamplingParams, vocab_ids: mx.array | None, vocab_size: int
+) -> tuple[mx.array, mx.array | None]:
+    """Drafts [K] (target ids) from draft logits [K, N] over the draft vocabulary, and when
+    sampling the proposal distribution [K, vocab_size] (zero outside the draft vocabulary,
+    which rejection sampling handles exactly)."""
+    if params.greedy:
+        drafts = mx.argmax(logits, axis=-1)
+        probs = None
+    else:
+        scaled = sampling_logits(logits, params)
+        drafts = mx.random.categorical(scaled)
+        probs = mx.softmax(scaled, axis=-1)
+    if vocab_ids is not None:
+        drafts = vocab_ids[drafts]
+        if probs is not None:
+            K, N = probs.shape
+            probs = mx.put_along_axis(mx.zeros((K, vocab_size), dtype=probs.dtype),
+                                      mx.broadcast_to(vocab_ids[None], (K, N)), probs, axis=-1)
+    return drafts.astype(mx.uint32), probs
+
+
 def greedy_accept(drafts: mx.array, target_logits: mx.array) -> tuple[mx.array, mx.array]:
     """drafts [K], target_logits [K+1, V] -> (accepted_len [], target tokens [K+1]).
 

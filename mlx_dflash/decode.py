@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .accept import SamplingParams, greedy_accept, rejection_accept, sample_first, sampling_logits
+from .accept import SamplingParams, greedy_accept, rejection_accept, sample_first
 from .drafters import check_fits
 from .target import Target
 
@@ -226,13 +226,8 @@ def stream_generate(
                 # A drafter trained on blocks of size b always drafts with b inputs (its
                 # attention over the MASK positions is bidirectional); we verify the first K.
                 draft_block = max(B, drafter.block_size)
-                draft_logits = drafter.draft_logits(target, anchor, draft_cache, draft_block, K)
-                if params.greedy:
-                    drafts = mx.argmax(draft_logits, axis=-1).astype(mx.uint32)
-                else:
-                    scaled = sampling_logits(draft_logits, params)
-                    drafts = mx.random.categorical(scaled).astype(mx.uint32)
-                    draft_probs = mx.softmax(scaled, axis=-1)
+                drafts, draft_probs = drafter.propose(target, anchor, draft_cache, draft_block,
+                                                      K, params)
             else:
                 drafts = mx.zeros((0,), dtype=mx.uint32)
             # Verify: one target pass over [anchor] + drafts.

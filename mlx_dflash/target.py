@@ -53,6 +53,17 @@ class Target:
             return self.inner.embed_tokens.as_linear(hidden)
         return self.model.lm_head(hidden)
 
+    def head_rows(self, ids: mx.array) -> mx.array:
+        """The LM head's rows for ``ids`` as a dense float matrix [len(ids), D]."""
+        layer = self.inner.embed_tokens if self.tied else self.model.lm_head
+        if hasattr(layer, "scales"):  # quantized embedding or linear
+            biases = getattr(layer, "biases", None)
+            return mx.dequantize(layer.weight[ids], layer.scales[ids],
+                                 None if biases is None else biases[ids],
+                                 group_size=layer.group_size, bits=layer.bits,
+                                 mode=getattr(layer, "mode", "affine"))
+        return layer.weight[ids]
+
     # -- forward with features ---------------------------------------------------------------
     def make_cache(self) -> list[Any]:
         return make_prompt_cache(self.model)

@@ -7,6 +7,7 @@ from mlx_lm.generate import generate_step
 from tiny import EOS_ID, make_drafter, make_target, make_tokenizer
 
 from mlx_dflash import stream_generate
+from mlx_dflash.accept import proposal_from_logits
 
 
 def reference(model, prompt, max_tokens, stop_ids=(EOS_ID,)):
@@ -74,6 +75,10 @@ class OracleDrafter:
         onehot = mx.zeros((block_size - 1, self.vocab))
         onehot[mx.arange(block_size - 1), mx.array(want)] = 100.0
         return onehot[:K] + 0 * real
+
+    def propose(self, target, anchor, cache, block_size, num_drafts, params):
+        logits = self.draft_logits(target, anchor, cache, block_size, num_drafts)
+        return proposal_from_logits(logits, params, None, target.vocab_size)
 
 
 CONFIGS = [

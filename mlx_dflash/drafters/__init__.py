@@ -131,6 +131,12 @@ def check_fits(drafter: DFlashDraftModel, model: Any) -> None:
         raise DrafterMismatchError(
             f"drafter vocab_size {a.vocab_size} does not match the target's {target.vocab_size}"
         )
+    vocab = drafter.vocab_ids if hasattr(drafter, "vocab_ids") else None
+    if vocab is not None and (int(vocab.max()) >= target.vocab_size or int(vocab.min()) < 0):
+        raise DrafterMismatchError(
+            f"drafter draft_vocab holds ids up to {int(vocab.max())}, outside the target's "
+            f"vocabulary (size {target.vocab_size})"
+        )
     if not 0 <= a.mask_token_id < target.vocab_size:
         raise DrafterMismatchError(
             f"drafter mask_token_id {a.mask_token_id} is outside the target's vocabulary "
@@ -163,6 +169,8 @@ def drafter_config(drafter: DFlashDraftModel, architecture: str = "DFlashDraftMo
     }
     if a.verify_block_size is not None:
         config["verify_block_size"] = a.verify_block_size
+    if a.draft_vocab_size:
+        config["dflash_config"]["draft_vocab_size"] = a.draft_vocab_size
     if a.sliding_window is not None:
         config["layer_types"] = a.layer_types
         config["sliding_window"] = a.sliding_window

@@ -1,7 +1,9 @@
 """DFlash: a block-parallel drafter conditioned on target hidden states (z-lab layout).
 
 The drafter owns no embedding and no LM head: it embeds ``[anchor, MASK x (B-1)]`` with the
-target's embedding and reads its B-1 draft logits through the target's head.
+target's embedding and reads its B-1 draft logits through the target's head. A drafter may carry
+a reduced draft vocabulary (``draft_vocab``: the target ids of the head rows it uses, most
+frequent first); then its head is those rows only and its drafts map back to target ids.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..accept import SamplingParams, proposal_from_logits
 from .layers import DraftArgs, DraftLayer, block_mask, make_context_cache
 
 
@@ -25,6 +28,31 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.layers = [DraftLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        if args.draft_vocab_size:
+            self.draft_vocab = mx.arange(args.draft_vocab_size, dtype=mx.int32)
+            self.freeze(keys=["draft_vocab"])
+
+    @property
+    def vocab_ids(self) -> mx.array | None:
+        """Target ids of the draft vocabulary, or None when the drafter uses the full head."""
+        return self.draft_vocab if "draft_vocab" in self else None
+
+    def set_draft_vocab(self, ids: mx.array) -> None:
+        self.args.draft_vocab_size = int(ids.shape[0])
+        self.draft_vocab = ids.astype(mx.int32)
+        self.freeze(keys=["draft_vocab"])
+        object.__setattr__(self, "_head_rows", None)
+
+    def head(self, target: Any, hidden: mx.array) -> mx.array:
+        """Draft logits over the drafter's vocabulary (the target's head, or its subset rows)."""
+        if self.vocab_ids is None:
+            return self.compute_logits(target.lm_head(hidden))
+        cached = self.__dict__.get("_head_rows")
+        if cached is None or cached[0] is not target.model:
+            # Gathered once per target: the head rows of the draft vocabulary.
+            cached = (target.model, target.head_rows(self.vocab_ids))
+            object.__setattr__(self, "_head_rows", cached)
+        return self.compute_logits(hidden @ cached[1].T)
 
     @property
     def block_size(self) -> int:
@@ -89,7 +117,20 @@ class DFlashDraftModel(nn.Module):
         if self.args.input_embedding_scale != 1.0:
             embeds = embeds * self.args.input_embedding_scale
         hidden = self(embeds, cache)[0, 1 : 1 + K]
-        return self.compute_logits(target.lm_head(hidden))
+        return self.head(target, hidden)
+
+    def propose(
+        self,
+        target: Any,
+        anchor: mx.array,
+        cache: list[Any],
+        block_size: int,
+        num_drafts: int,
+        params: SamplingParams,
+    ) -> tuple[mx.array, mx.array | None]:
+        """K draft target ids, and their proposal distribution [K, V] when sampling."""
+        logits = self.draft_logits(target, anchor, cache, block_size, num_drafts)
+        return proposal_from_logits(logits, params, self.vocab_ids, target.vocab_size)
 
     def train_hidden(
         self, block_embeds: mx.array, features: mx.array, anchors: mx.array

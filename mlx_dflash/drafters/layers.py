@@ -44,6 +44,8 @@ class DraftArgs:
     # Drafts verified per cycle when the caller does not say (the block width the drafter runs
     # at is always block_size); the measured best on a machine can be well below block_size.
     verify_block_size: int | None = None
+    # Reduced draft vocabulary: the head uses only these many target rows (ids in the weights).
+    draft_vocab_size: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -102,6 +104,7 @@ class DraftArgs:
             final_logit_softcapping=float(softcap) if softcap else None,
             input_embedding_scale=float(pick("input_embedding_scale", 1.0) or 1.0),
             verify_block_size=pick("verify_block_size"),
+            draft_vocab_size=pick("draft_vocab_size"),
         )
 
 
