@@ -4,12 +4,14 @@ import json
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from tiny import make_drafter, make_target, make_tokenizer
 
 from mlx_dflash import load_drafter
 from mlx_dflash.target import Target
-from mlx_dflash.train.data import iter_examples, read_prompts, regenerate
+from mlx_dflash.train.data import read_prompts
 from mlx_dflash.train.loop import TrainConfig, train
+from mlx_dflash.train.store import FeatureStore, StoreMismatchError, build_store
 from mlx_dflash.train.recipe import block_inputs, build_target_layer_ids, sample_anchors
 
 
@@ -48,22 +50,80 @@ def test_blocks_see_only_context_before_their_anchor():
     assert mx.allclose(infer[0], out[1], atol=1e-4)
 
 
-def test_regenerate_train_and_round_trip(tmp_path):
+def _tiny_store(tmp_path, n=12, **kw):
     model = make_target("qwen3", vocab_size=64, num_layers=4)
     tok = make_tokenizer(64, eos_id=64)
     tok._tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"id": i, "prompt": f"w{i} w{i + 3} w{i + 5}"})
-                                 for i in range(3, 15)))
+                                 for i in range(3, 3 + n)))
     rows = read_prompts(prompts)
-    regenerate(model, tok, rows, tmp_path / "data", max_tokens=24, batch_size=8, progress=False)
-    regenerate(model, tok, rows, tmp_path / "data", max_tokens=24, progress=False)  # resumes
-    examples = list(iter_examples(tmp_path / "data"))
-    assert len(examples) == 12 and len({e["id"] for e in examples}) == 12
-    config = TrainConfig(data_dir=str(tmp_path / "data"), out_dir=str(tmp_path / "run"),
-                         block_size=4, num_layers=1, num_taps=2, mask_token_id=2,
-                         learning_rate=3e-3, epochs=8, grad_accum=2, save_every=10,
-                         val_fraction=0.1)
+    build_store(model, tok, rows, tmp_path / "store", [0, 2], max_tokens=24, batch_size=5,
+                top_k=4, progress=False, **kw)
+    return model, tok, rows
+
+
+def test_feature_store_round_trips(tmp_path):
+    from test_lossless_greedy import reference
+
+    model, tok, rows = _tiny_store(tmp_path)
+    store = FeatureStore(tmp_path / "store")
+    assert len(store) == 12 and store.layer_ids == [0, 2] and store.top_k == 4
+    target = Target(model)
+    store.check(target, [0, 2])
+    for seq in store:
+        prompt = seq.tokens[: seq.prompt_len].tolist()
+        want, _ = reference(model, prompt, 24, stop_ids=())
+        assert seq.tokens[seq.prompt_len:].tolist() == want  # the target's own greedy reply
+        _, feats = target.hidden_states(mx.array(seq.tokens)[None], None, [0, 2])
+        assert seq.features.shape == (len(seq.tokens) - 1, 128)
+        assert np.allclose(seq.features, np.array(feats[0, :-1]), atol=2e-2, rtol=1e-2)
+        logits = target.forward(mx.array(seq.tokens)[None], None)[0][0, seq.prompt_len - 1:-1]
+        probs = np.array(mx.softmax(logits, axis=-1))
+        got = np.take_along_axis(probs, np.asarray(seq.topk_ids), axis=-1)
+        assert np.allclose(seq.topk_probs, got, atol=1e-3)
+        assert np.allclose(np.sort(probs, axis=-1)[:, -4:].sum(-1),
+                           np.asarray(seq.topk_probs, np.float32).sum(-1), atol=1e-3)
+
+
+def test_feature_store_refuses_another_target_or_taps(tmp_path):
+    _tiny_store(tmp_path, n=3)
+    store = FeatureStore(tmp_path / "store")
+    other = Target(make_target("qwen3", vocab_size=64, num_layers=4, seed=5))
+    with pytest.raises(StoreMismatchError, match="another target.*weights_sha256"):
+        store.check(other)
+    with pytest.raises(StoreMismatchError, match="tap layers \\[0, 2\\].*\\[1, 3\\]"):
+        store.check(Target(make_target("qwen3", vocab_size=64, num_layers=4)), [1, 3])
+    with pytest.raises(FileNotFoundError, match="no feature store"):
+        FeatureStore(tmp_path / "nothing")
+
+
+def test_feature_store_resumes(tmp_path):
+    model, tok, rows = _tiny_store(tmp_path, n=6)
+    store_dir = tmp_path / "store"
+    first = sorted(p.name for p in store_dir.glob("shard_*"))
+    # A shard being written when the run was killed is a .tmp folder: ignored, then redone.
+    (store_dir / "shard_dead.tmp").mkdir()
+    more = rows + read_prompts_from(tmp_path, range(20, 24))
+    build_store(model, tok, more, store_dir, [0, 2], max_tokens=24, batch_size=5, top_k=4,
+                progress=False)
+    store = FeatureStore(store_dir)
+    assert len(store) == 10 and len(store.ids()) == 10
+    assert set(first) <= {p.name for p in store_dir.glob("shard_*")}  # old shards untouched
+
+
+def read_prompts_from(tmp_path, ids):
+    f = tmp_path / "more.jsonl"
+    f.write_text("\n".join(json.dumps({"id": i, "prompt": f"w{i} w{i + 1}"}) for i in ids))
+    return read_prompts(f)
+
+
+def test_train_on_store_and_round_trip(tmp_path):
+    model, _, _ = _tiny_store(tmp_path)
+    config = TrainConfig(store_dir=str(tmp_path / "store"), out_dir=str(tmp_path / "run"),
+                         block_size=4, num_layers=1, mask_token_id=2, draft_vocab_size=40,
+                         tv_weight=0.5, learning_rate=3e-3, epochs=8, grad_accum=2,
+                         save_every_s=0.5, val_fraction=0.1)
     trained = train(model, config, progress=False)
     log = [json.loads(line) for line in open(tmp_path / "run" / "train_log.jsonl")]
     first = np.mean([r["loss"] for r in log[:4]])
@@ -71,21 +131,50 @@ def test_regenerate_train_and_round_trip(tmp_path):
     assert last < 0.8 * first, (first, last)
     drafter = load_drafter(tmp_path / "run" / "checkpoint", model=model)
     assert drafter.block_size == 4 and drafter.mask_token_id == 2
+    assert drafter.args.draft_vocab_size == 40
+    assert drafter.vocab_ids.tolist() == trained.vocab_ids.tolist()
     # Training runs on standardised features; the saved fc has the scale folded in.
     assert mx.allclose(drafter.fc.weight, trained.fc.weight, atol=1e-6)
     state = json.loads((tmp_path / "run" / "checkpoint" / "trainer_state.json").read_text())
-    assert state["step"] == len(log)
+    assert state["step"] == len(log) and state["train_seconds"] > 0
+    assert (tmp_path / "run" / "val_log.jsonl").exists()
     # A new run can start from a saved drafter: its first loss is the trained level.
     config2 = TrainConfig(**{**config.__dict__, "out_dir": str(tmp_path / "run2"), "epochs": 1,
                              "init_from": str(tmp_path / "run" / "checkpoint")})
     train(model, config2, progress=False)
     log3 = [json.loads(line) for line in open(tmp_path / "run2" / "train_log.jsonl")]
     assert log3[0]["loss"] < first
-    # Resume: one more epoch continues from the saved step.
-    config.epochs = 9
-    train(model, config, progress=False)
-    log2 = [json.loads(line) for line in open(tmp_path / "run" / "train_log.jsonl")]
-    assert log2[len(log)]["step"] == len(log) + 1
+
+
+def test_interrupted_run_resumes_where_it_stopped(tmp_path, monkeypatch):
+    import mlx_dflash.train.loop as loop
+
+    model, _, _ = _tiny_store(tmp_path)
+    config = TrainConfig(store_dir=str(tmp_path / "store"), out_dir=str(tmp_path / "run"),
+                         block_size=4, num_layers=1, mask_token_id=2, learning_rate=3e-3,
+                         epochs=4, max_steps=12, grad_accum=2, save_every_s=0)
+    full = train(model, config, progress=False)
+    full_log = [json.loads(line) for line in open(tmp_path / "run" / "train_log.jsonl")]
+    # The same run killed in its 7th step (after the step-6 checkpoint), then started again.
+    calls = {"n": 0}
+    real_loss = loop.block_loss
+
+    def dies_in_step_7(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] > 6 * config.grad_accum:
+            raise KeyboardInterrupt
+        return real_loss(*args, **kw)
+
+    config.out_dir = str(tmp_path / "run_b")
+    monkeypatch.setattr(loop, "block_loss", dies_in_step_7)
+    with pytest.raises(KeyboardInterrupt):
+        train(model, config, progress=False)
+    monkeypatch.setattr(loop, "block_loss", real_loss)
+    resumed = train(model, config, progress=False)
+    log = [json.loads(line) for line in open(tmp_path / "run_b" / "train_log.jsonl")]
+    assert [r["step"] for r in log] == list(range(1, 13))
+    assert np.allclose([r["loss"] for r in log], [r["loss"] for r in full_log], rtol=1e-3)
+    assert mx.allclose(resumed.fc.weight, full.fc.weight, atol=1e-4)
 
 
 def test_sliding_window_drafter_train_matches_inference_and_is_lossless():

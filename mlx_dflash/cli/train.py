@@ -1,4 +1,4 @@
-"""`mlx-dflash train`: regenerate responses with the target, then train a DFlash drafter."""
+"""`mlx-dflash train`: the target's responses + features into a feature store, then a drafter."""
 
 from __future__ import annotations
 
@@ -13,13 +13,18 @@ from .app import app, fail
 
 @app.command()
 def train(
-    out: Path = typer.Option(..., "--out", "-o", help="Run directory (data/, checkpoint/)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Run directory (store/, checkpoint/)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target (default pair)."),
     prompts: List[Path] = typer.Option([], "--prompts", help="Training prompt file(s); "
-                                       "repeatable. Omit to train on existing OUT/data."),
+                                       "repeatable. Omit to train on the existing store."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Prompts per file."),
     code_prompts: int = typer.Option(0, "--code-prompts", min=0,
                                      help="Add N prompts built from stdlib docstrings."),
+    store: Optional[Path] = typer.Option(None, "--store", help="Feature store folder "
+                                         "(default OUT/store; share one between runs)."),
+    workers: int = typer.Option(2, "--workers", min=1, help="Generation processes."),
+    generate_only: bool = typer.Option(False, "--generate-only",
+                                       help="Fill the store and stop."),
     max_response_tokens: int = typer.Option(192, "--max-response-tokens", min=8),
     block_size: int = typer.Option(16, "--block-size", min=2),
     layers: int = typer.Option(2, "--layers", min=1),
@@ -27,10 +32,17 @@ def train(
     mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id",
                                                 help="Default: the tokenizer's mask token, "
                                                 "else 16 for SmolLM2 (<empty_output>)."),
+    draft_vocab: int = typer.Option(8192, "--draft-vocab", min=0,
+                                    help="Reduced draft vocabulary size (0: full head)."),
+    tv_weight: float = typer.Option(0.0, "--tv-weight", min=0.0,
+                                    help="Weight of the total-variation distillation term."),
+    ce_weight: float = typer.Option(1.0, "--ce-weight", min=0.0),
     epochs: float = typer.Option(3.0, "--epochs", min=0.01),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1),
     learning_rate: float = typer.Option(6e-4, "--lr"),
     anchors: int = typer.Option(32, "--anchors", min=1, help="Anchors per sequence."),
     grad_accum: int = typer.Option(4, "--grad-accum", min=1),
+    save_minutes: float = typer.Option(5.0, "--save-minutes", min=0.1),
     init_from: Optional[str] = typer.Option(None, "--init-from",
                                             help="Continue from a saved drafter (dir or shipped "
                                             "name) instead of a fresh one."),
@@ -39,13 +51,16 @@ def train(
                                                 "acceptance evaluation."),
     eval_limit: int = typer.Option(8, "--eval-limit", min=1),
 ) -> None:
-    """Train a DFlash drafter for a target (data regeneration is resumable)."""
+    """Train a DFlash drafter for a target (generation and training both resume)."""
     from mlx_lm import load
 
     from ..default import resolve_drafter
-    from ..train.data import read_prompts, regenerate, stdlib_code_prompts
+    from ..target import Target
+    from ..train.data import read_prompts, stdlib_code_prompts
     from ..train.loop import TrainConfig
     from ..train.loop import train as run_training
+    from ..train.recipe import build_target_layer_ids
+    from ..train.store import FeatureStore, StoreMismatchError, build_store_parallel
 
     for f in prompts + ([eval_prompts] if eval_prompts else []):
         if not f.exists():
@@ -60,20 +75,35 @@ def train(
         mask_token_id = mask if mask is not None else 16
         name = tokenizer.convert_ids_to_tokens(mask_token_id)
         typer.echo(f"mask token id: {mask_token_id} ({name})")
-    data_dir = out / "data"
+    store_dir = store or out / "store"
     rows = []
     for f in prompts:
         rows += read_prompts(f, limit=limit)
     if code_prompts:
         rows += stdlib_code_prompts(limit=code_prompts)
-    if rows:
-        regenerate(target, tokenizer, rows, data_dir, max_tokens=max_response_tokens)
-    elif not any(data_dir.glob("shard_*.jsonl")):
-        fail(f"no training data: pass --prompts, or put shards in {data_dir}")
-    config = TrainConfig(data_dir=str(data_dir), out_dir=str(out), block_size=block_size,
-                         num_layers=layers, num_taps=taps, mask_token_id=mask_token_id,
-                         epochs=epochs, learning_rate=learning_rate, num_anchors=anchors,
-                         grad_accum=grad_accum,
+    num_layers = len(Target(target, check=False).inner.layers)
+    if (store_dir / "manifest.json").exists():
+        layer_ids = FeatureStore(store_dir).layer_ids
+    else:
+        layer_ids = build_target_layer_ids(num_layers, taps)
+    try:
+        if rows:
+            build_store_parallel(model, rows, store_dir, layer_ids, workers=workers,
+                                 max_tokens=max_response_tokens)
+        elif not (store_dir / "manifest.json").exists():
+            fail("no training data: pass --prompts, or point --store at a feature store")
+        FeatureStore(store_dir).check(Target(target, check=False))
+    except (StoreMismatchError, OSError, RuntimeError) as e:
+        fail(str(e))
+    if generate_only:
+        typer.echo(f"feature store: {len(FeatureStore(store_dir))} sequences in {store_dir}")
+        return
+    config = TrainConfig(store_dir=str(store_dir), out_dir=str(out), block_size=block_size,
+                         num_layers=layers, mask_token_id=mask_token_id,
+                         draft_vocab_size=draft_vocab or None, ce_weight=ce_weight,
+                         tv_weight=tv_weight, epochs=epochs, max_steps=max_steps,
+                         learning_rate=learning_rate, num_anchors=anchors,
+                         grad_accum=grad_accum, save_every_s=save_minutes * 60,
                          init_from=resolve_drafter(init_from) if init_from else None)
     drafter = run_training(target, config)
     if eval_prompts:

@@ -1,7 +1,8 @@
-"""Drafter training loop: AdamW with warm-up + cosine decay, clipping, checkpoints, resume.
+"""Drafter training loop over a feature store: AdamW with warm-up + cosine decay, clipping,
+time-based checkpoints, resume, held-out validation.
 
-Target features are computed once per sequence and kept in memory (float16), so later epochs
-only pay for the drafter and the frozen LM head.
+Target features and distributions come from the store (computed once, see ``store.py``), so a
+step costs only the drafter and its (reduced) head.
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..drafters import DFlashDraftModel, DraftArgs, load_drafter, save_drafter
 from ..target import Target
-from .data import iter_examples
 from .recipe import (
     block_inputs,
     block_loss,
-    build_target_layer_ids,
+    choose_draft_vocab,
     init_from_target,
     position_weights,
     sample_anchors,
 )
+from .store import FeatureStore
 
 # SmolLM2 has no mask token; <empty_output> (16) is one of its untrained special tokens.
 DEFAULT_MASK_TOKEN = {"smollm2": 16}
@@ -36,35 +37,37 @@ DEFAULT_MASK_TOKEN = {"smollm2": 16}
 
 @dataclass
 class TrainConfig:
-    data_dir: str
+    store_dir: str
     out_dir: str
     block_size: int = 16
     num_layers: int = 2
-    num_taps: int = 4
-    target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None
+    draft_vocab_size: int | None = None  # None: the target's full head
     num_anchors: int = 32
     gamma: float = 7.0
+    ce_weight: float = 1.0
+    tv_weight: float = 0.0
     learning_rate: float = 6e-4
     warmup: float = 0.04
     epochs: float = 3.0
-    grad_accum: int = 4
+    max_steps: int | None = None  # caps epochs * steps_per_epoch (the schedule's length)
+    grad_accum: int = 4  # sequences per optimizer step
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     max_seq_len: int = 1024
-    save_every: int = 25
+    save_every_s: float = 300.0
     val_fraction: float = 0.02
+    val_sequences: int = 48  # held-out sequences scored at each checkpoint
     init_from_target: bool = True
     init_from: str | None = None  # start from a saved drafter (e.g. a shipped one)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
 
-def new_drafter(target: Target, config: TrainConfig) -> DFlashDraftModel:
+def new_drafter(target: Target, config: TrainConfig, layer_ids: list[int]) -> DFlashDraftModel:
     a = target.model.args
     if config.mask_token_id is None:
         raise ValueError("mask_token_id is required (the target's vocabulary has no MASK token)")
-    ids = config.target_layer_ids or build_target_layer_ids(target.num_layers, config.num_taps)
     args = DraftArgs(
         hidden_size=target.hidden_size,
         num_hidden_layers=config.num_layers,
@@ -73,7 +76,7 @@ def new_drafter(target: Target, config: TrainConfig) -> DFlashDraftModel:
         head_dim=getattr(a, "head_dim", None) or target.hidden_size // a.num_attention_heads,
         intermediate_size=a.intermediate_size,
         vocab_size=target.vocab_size,
-        target_layer_ids=ids,
+        target_layer_ids=list(layer_ids),
         mask_token_id=config.mask_token_id,
         block_size=config.block_size,
         rms_norm_eps=getattr(a, "rms_norm_eps", 1e-6),
@@ -98,15 +101,15 @@ def _schedule(config: TrainConfig, total_steps: int):
     )
 
 
-def feature_scale(features: list[mx.array]) -> mx.array:
+def feature_scale(features: list[np.ndarray]) -> mx.array:
     """Per-dimension 1/RMS of target features (position 0, the attention sink, left out).
 
     Target hidden states carry a few "massive" dimensions (100x the rest) that swamp a randomly
     initialised ``fc``; training on standardised features and folding the scale into ``fc``
     when saving keeps the z-lab architecture and conditions the optimisation.
     """
-    x = mx.concatenate([f[0, 1:] for f in features], axis=0).astype(mx.float32)
-    return 1.0 / mx.maximum(mx.sqrt((x * x).mean(axis=0)), 1e-3)
+    x = np.concatenate([f[1:] for f in features], axis=0).astype(np.float32)
+    return mx.array(1.0 / np.maximum(np.sqrt((x * x).mean(axis=0)), 1e-3))
 
 
 def _fold_scale(drafter, scale: mx.array, inverse: bool = False) -> None:
@@ -122,101 +125,126 @@ def _save(out: Path, drafter, optimizer, state: dict, scale: mx.array) -> None:
     finally:
         _fold_scale(drafter, scale, inverse=True)
     mx.save(str(ckpt / "feature_scale.npy"), scale)
-    opt_state = dict(tree_flatten(optimizer.state))
-    mx.savez(str(ckpt / "optimizer.npz"), **opt_state)
+    mx.savez(str(ckpt / "optimizer.npz"), **dict(tree_flatten(optimizer.state)))
     (ckpt / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
 
 
+class Batches:
+    """Per-sequence training inputs from the store, in the drafter's vocabulary."""
+
+    def __init__(self, store: FeatureStore, drafter, config: TrainConfig, scale: mx.array):
+        self.store, self.config, self.scale = store, config, scale
+        self.mask_id = drafter.mask_token_id
+        vocab = drafter.vocab_ids
+        V = drafter.args.vocab_size
+        self.to_draft = np.arange(V, dtype=np.int32)  # target id -> drafter index (-1: none)
+        if vocab is not None:
+            self.to_draft = np.full(V, -1, dtype=np.int32)
+            self.to_draft[np.array(vocab)] = np.arange(vocab.shape[0], dtype=np.int32)
+
+    def __call__(self, i: int, gen: np.random.Generator, num_anchors: int | None = None):
+        c = self.config
+        seq = self.store[i]
+        T = min(len(seq.tokens), c.max_seq_len)
+        tokens, P = seq.tokens[:T], seq.prompt_len
+        anchors = sample_anchors(P, T, num_anchors or c.num_anchors, gen)
+        if len(anchors) == 0:
+            return None
+        blocks, labels, valid = block_inputs(tokens, anchors, c.block_size, self.mask_id)
+        # Target distribution of token p sits at response row p - P.
+        rows = np.minimum(anchors[:, None] + np.arange(1, c.block_size)[None] - P, T - P - 1)
+        topk_ids = self.to_draft[np.asarray(seq.topk_ids)[rows]]
+        topk_probs = np.asarray(seq.topk_probs)[rows].astype(np.float32)
+        features = mx.array(np.asarray(seq.features[: T - 1]))[None].astype(mx.float32) * self.scale
+        return (features, mx.array(blocks), mx.array(anchors), mx.array(self.to_draft[labels]),
+                mx.array(valid), mx.array(topk_ids), mx.array(topk_probs))
+
+
 def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraftModel:
-    """Train a DFlash drafter for ``model`` on the shards in ``config.data_dir``."""
+    """Train a DFlash drafter for ``model`` on the feature store in ``config.store_dir``."""
     from tqdm import tqdm
 
     target = model if isinstance(model, Target) else Target(model)
+    store = FeatureStore(config.store_dir)
+    store.check(target)
+    if len(store) == 0:
+        raise ValueError(f"the feature store {config.store_dir} holds no sequences yet")
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = list(iter_examples(config.data_dir))
-    examples = [
-        np.array((e["prompt_ids"] + e["response_ids"])[: config.max_seq_len], dtype=np.int32)
-        for e in rows
-    ]
-    prompt_lens = [len(e["prompt_ids"]) for e in rows]
-    rng = np.random.default_rng(config.seed)
-    order = rng.permutation(len(examples))
-    n_val = max(1, int(config.val_fraction * len(examples))) if len(examples) > 10 else 0
+    order = np.random.default_rng(config.seed).permutation(len(store))
+    n_val = max(1, int(config.val_fraction * len(store))) if len(store) > 10 else 0
     val_idx, train_idx = order[:n_val], order[n_val:]
-    if len(train_idx) == 0:
-        raise ValueError(f"no training examples in {config.data_dir}")
 
     ckpt = out / "checkpoint"
-    step = 0
+    state = {"step": 0, "train_seconds": 0.0}
     if (ckpt / "trainer_state.json").exists():
         state = json.loads((ckpt / "trainer_state.json").read_text())
-        drafter = load_drafter(ckpt, model=target)
+        drafter = load_drafter(ckpt, model=target, dtype=mx.float32)
         scale = mx.load(str(ckpt / "feature_scale.npy"))
         _fold_scale(drafter, scale, inverse=True)  # checkpoints hold the folded fc
-        step = state["step"]
-        print(f"Resuming from {ckpt} at step {step}")
+        print(f"Resuming from {ckpt} at step {state['step']}")
     else:
         if config.init_from:
             drafter = load_drafter(config.init_from, model=target, dtype=mx.float32)
             print(f"Starting from the drafter in {config.init_from}")
         else:
-            drafter = new_drafter(target, config)
-        sample = [mx.array(examples[i])[None] for i in train_idx[:16]]
-        scale = feature_scale([target.hidden_states(x, None, drafter.target_layer_ids)[1]
-                               for x in sample])
-        mx.eval(scale)
+            mx.random.seed(config.seed)  # a run is reproducible from its config
+            drafter = new_drafter(target, config, store.layer_ids)
+        if config.draft_vocab_size and drafter.vocab_ids is None:
+            response = np.concatenate([store[int(i)].tokens[store[int(i)].prompt_len:]
+                                       for i in train_idx])
+            ids, coverage = choose_draft_vocab(response, target.vocab_size,
+                                               config.draft_vocab_size)
+            drafter.set_draft_vocab(mx.array(ids))
+            print(f"draft vocabulary: {len(ids)} tokens cover {coverage:.2%} of "
+                  f"{len(response)} response tokens")
+            (out / "draft_vocab.json").write_text(json.dumps(
+                {"size": len(ids), "coverage": coverage, "response_tokens": len(response)}) + "\n")
+        scale = feature_scale([np.asarray(store[int(i)].features) for i in train_idx[:16]])
         if config.init_from:
             _fold_scale(drafter, scale, inverse=True)  # saved fc reads raw features
+    store.check(target, drafter.target_layer_ids)
     drafter.train()
 
     steps_per_epoch = max(1, len(train_idx) // config.grad_accum)
-    total_steps = max(1, int(config.epochs * steps_per_epoch))
+    total_steps = state.get("total_steps") or max(1, int(config.epochs * steps_per_epoch))
+    if config.max_steps:
+        total_steps = min(total_steps, config.max_steps)
     optimizer = optim.AdamW(learning_rate=_schedule(config, total_steps),
                             weight_decay=config.weight_decay)
     optimizer.init(drafter.trainable_parameters())
+    step = state["step"]
     if step and (ckpt / "optimizer.npz").exists():
         optimizer.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.npz")).items()))
 
     weights = position_weights(config.block_size, config.gamma)
-    layer_ids = drafter.target_layer_ids
-    feature_cache: dict[int, mx.array] = {}
-
-    def features_of(i: int) -> mx.array:
-        if i not in feature_cache:
-            _, feats = target.hidden_states(mx.array(examples[i])[None], None, layer_ids)
-            feature_cache[i] = (feats * scale).astype(mx.float16)
-            mx.eval(feature_cache[i])
-        return feature_cache[i].astype(mx.float32)
-
-    def sequence_batch(i: int, gen: np.random.Generator):
-        tokens = examples[i]
-        anchors = sample_anchors(prompt_lens[i], len(tokens), config.num_anchors, gen)
-        if len(anchors) == 0:
-            return None
-        blocks, labels, valid = block_inputs(tokens, anchors, config.block_size,
-                                             drafter.mask_token_id)
-        return (features_of(i), mx.array(blocks), mx.array(anchors), mx.array(labels),
-                mx.array(valid))
-
-    loss_and_grad = nn.value_and_grad(
-        drafter, lambda *b: block_loss(drafter, target, *b, weights)
-    )
+    batch_of = Batches(store, drafter, config, scale)
+    loss_and_grad = nn.value_and_grad(drafter, lambda *b: block_loss(
+        drafter, target, *b, weights, config.ce_weight, config.tv_weight))
 
     def epoch_order(epoch: int) -> np.ndarray:
         return np.random.default_rng(config.seed + 1 + epoch).permutation(train_idx)
 
+    def save_and_validate() -> None:
+        val = validate(drafter, target, batch_of, val_idx[: config.val_sequences], config)
+        state.update(step=step, total_steps=total_steps, config=asdict(config), val=val)
+        _save(out, drafter, optimizer, state, scale)
+        with open(out / "val_log.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "train_seconds": state["train_seconds"],
+                                **val}) + "\n")
+
     log = open(out / "train_log.jsonl", "a")
     bar = tqdm(total=total_steps, initial=step, desc="training drafter", unit="step",
                disable=not progress)
-    tic, positions, smooth = time.perf_counter(), 0, None
+    tic, positions, smooth, last_save = time.perf_counter(), 0, None, time.perf_counter()
     while step < total_steps:
+        t_step = time.perf_counter()
         epoch, within = divmod(step, steps_per_epoch)
         seq_ids = epoch_order(epoch)[within * config.grad_accum : (within + 1) * config.grad_accum]
         gen = np.random.default_rng([config.seed, step])
         grads_sum, loss_sum, acc_sum, n = None, 0.0, None, 0
         for i in seq_ids:
-            batch = sequence_batch(int(i), gen)
+            batch = batch_of(int(i), gen)
             if batch is None:
                 continue
             (loss, acc), grads = loss_and_grad(*batch)
@@ -232,47 +260,49 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
         grads, grad_norm = optim.clip_grad_norm(grads, config.grad_clip)
         optimizer.update(drafter, grads)
         mx.eval(drafter.parameters(), optimizer.state, loss_sum, acc_sum)
+        state["train_seconds"] += time.perf_counter() - t_step
         loss_value = loss_sum.item() / n
         smooth = loss_value if smooth is None else 0.95 * smooth + 0.05 * loss_value
         acc = (acc_sum / n).tolist()
         rate = positions / (time.perf_counter() - tic)
-        bar.set_postfix(loss=f"{smooth:.3f}", acc1=f"{acc[0]:.2f}", tok_s=f"{rate:.0f}")
+        bar.set_postfix(loss=f"{smooth:.3f}", acc1=f"{acc[0]:.2f}", pos_s=f"{rate:.0f}")
         bar.update(1)
-        lr = optimizer.learning_rate.item()
-        log.write(json.dumps({"step": step, "loss": loss_value, "lr": lr,
+        log.write(json.dumps({"step": step, "loss": loss_value,
+                              "lr": optimizer.learning_rate.item(),
                               "grad_norm": grad_norm.item(), "acc": acc,
-                              "time": time.perf_counter() - tic}) + "\n")
+                              "train_seconds": state["train_seconds"],
+                              "block_positions_per_s": rate}) + "\n")
         log.flush()
-        if step % config.save_every == 0 or step == total_steps:
-            _save(out, drafter, optimizer, {"step": step, "config": asdict(config)}, scale)
+        if time.perf_counter() - last_save > config.save_every_s or step == total_steps:
+            save_and_validate()
+            last_save = time.perf_counter()
     bar.close()
     log.close()
+    if state.get("step") != step:
+        save_and_validate()
     _fold_scale(drafter, scale)  # from here on the drafter reads raw target features
     drafter.eval()
-    if len(val_idx):
-        val = validate(drafter, target, [examples[i] for i in val_idx],
-                       [prompt_lens[i] for i in val_idx], config)
-        (out / "validation.json").write_text(json.dumps(val, indent=2) + "\n")
+    val = state.get("val")
+    if val:
         print(f"held-out block accuracy by position: {[round(a, 3) for a in val['accuracy']]}")
         print(f"expected acceptance length (teacher-forced): {val['expected_tau']:.2f}")
     return drafter
 
 
-def validate(drafter, target: Target, examples, prompt_lens, config: TrainConfig) -> dict:
+def validate(drafter, target: Target, batch_of: Batches, idx, config: TrainConfig) -> dict:
     """Teacher-forced held-out metrics: per-position accuracy and the greedy acceptance length
     implied by each block's correct prefix (blocks whose labels all exist)."""
     gen = np.random.default_rng(12345)
     correct_by_pos, valid_by_pos, prefix_lens = 0, 0, []
-    for tokens, plen in zip(examples, prompt_lens):
-        anchors = sample_anchors(plen, len(tokens), config.num_anchors, gen)
-        if len(anchors) == 0:
+    for i in idx:
+        batch = batch_of(int(i), gen, num_anchors=32)
+        if batch is None:
             continue
-        blocks, labels, valid = block_inputs(tokens, anchors, config.block_size,
-                                             drafter.mask_token_id)
-        _, feats = target.hidden_states(mx.array(tokens)[None], None, drafter.target_layer_ids)
-        hidden = drafter.train_hidden(target.embed(mx.array(blocks)), feats, mx.array(anchors))
-        pred = np.array(mx.argmax(target.lm_head(hidden[:, 1:]), axis=-1))
-        correct = (pred == labels) & valid
+        features, blocks, anchors, labels, valid = batch[:5]
+        hidden = drafter.train_hidden(target.embed(blocks), features, anchors)[:, 1:]
+        pred = np.array(mx.argmax(drafter.head(target, hidden), axis=-1))
+        valid = np.array(valid)
+        correct = (pred == np.array(labels)) & valid
         correct_by_pos = correct_by_pos + correct.sum(axis=0)
         valid_by_pos = valid_by_pos + valid.sum(axis=0)
         full = valid.all(axis=1)

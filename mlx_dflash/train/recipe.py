@@ -65,21 +65,49 @@ def block_loss(
     anchors: mx.array,
     labels: mx.array,
     valid: mx.array,
+    topk_ids: mx.array,
+    topk_probs: mx.array,
     weights: mx.array,
+    ce_weight: float = 1.0,
+    tv_weight: float = 0.0,
 ) -> tuple[mx.array, mx.array]:
-    """Decay-weighted CE over all blocks of one sequence. Returns (loss, per-position accuracy)."""
+    """Position-weighted CE on the target's tokens plus total variation toward the target's
+    distribution, over all blocks of one sequence. Returns (loss, per-position accuracy).
+
+    ``labels`` and ``topk_ids`` are indices into the drafter's vocabulary (-1: not in it; such
+    positions count as wrong and are left out of the CE). ``topk_probs`` [N, B-1, k] are the
+    target's top-k probabilities; the TV term treats the target's mass outside them as unknown:
+    ``0.5 * (sum_topk |q - p| + (1 - sum_topk q))``.
+    """
     embeds = target.embed(blocks)
     scale = drafter.args.input_embedding_scale
     if scale != 1.0:
         embeds = embeds * scale
     hidden = drafter.train_hidden(embeds, features, anchors)[:, 1:]
-    logits = drafter.compute_logits(target.lm_head(hidden))
-    ce = nn.losses.cross_entropy(logits, labels, reduction="none")  # [N, B-1]
+    logits = drafter.head(target, hidden).astype(mx.float32)
+    in_vocab = labels >= 0
     w = weights[None, :] * valid
-    loss = (ce * w).sum() / mx.maximum(w.sum(), 1e-6)
+    loss = 0.0
+    if ce_weight:
+        ce = nn.losses.cross_entropy(logits, mx.maximum(labels, 0), reduction="none")
+        wc = w * in_vocab
+        loss = loss + ce_weight * (ce * wc).sum() / mx.maximum(wc.sum(), 1e-6)
+    if tv_weight:
+        q = mx.softmax(logits, axis=-1)
+        known = topk_ids >= 0
+        q_k = mx.take_along_axis(q, mx.maximum(topk_ids, 0), axis=-1) * known
+        tv = 0.5 * ((mx.abs(q_k - topk_probs * known)).sum(-1) + 1.0 - q_k.sum(-1))
+        loss = loss + tv_weight * (tv * w).sum() / mx.maximum(w.sum(), 1e-6)
     correct = (mx.argmax(logits, axis=-1) == labels) * valid
     accuracy = correct.sum(axis=0) / mx.maximum(valid.sum(axis=0), 1)
     return loss, accuracy
+
+
+def choose_draft_vocab(tokens: np.ndarray, vocab_size: int, size: int) -> tuple[np.ndarray, float]:
+    """The ``size`` most frequent ids of ``tokens`` (ties by id), and the share they cover."""
+    counts = np.bincount(tokens, minlength=vocab_size)
+    order = np.lexsort((np.arange(vocab_size), -counts))[:size]
+    return order.astype(np.int32), float(counts[order].sum() / max(counts.sum(), 1))
 
 
 def init_from_target(drafter: DFlashDraftModel, target: Target) -> list[int]:
