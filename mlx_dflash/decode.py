@@ -18,6 +18,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .accept import SamplingParams, greedy_accept, rejection_accept, sample_first
 from .drafters import check_fits
+from .lookup import CopyIndex
 from .target import Target
 
 DEFAULT_PREFILL_STEP = 2048
@@ -33,6 +34,7 @@ class GenerationStats:
     peak_memory: float = 0.0  # GB
     acceptance_lengths: list[int] = field(default_factory=list)  # per cycle: accepted + 1
     draft_lengths: list[int] = field(default_factory=list)  # per cycle: drafts verified
+    copy_cycles: int = 0  # cycles that verified a copied block instead of the drafter's
 
     @property
     def cycles(self) -> int:
@@ -171,11 +173,15 @@ def stream_generate(
     block_size: int | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     prompt_progress: Any = None,
+    copy_drafts: bool = False,
+    copy_ngram: int = 3,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate from ``prompt`` with speculative decoding; yields one response per cycle.
 
     The output equals the target's own (greedy: token for token; sampled: in distribution).
-    ``drafter=None`` decodes with the target alone (one token per pass).
+    ``drafter=None`` decodes with the target alone (one token per pass). With
+    ``copy_drafts``, a cycle whose last ``copy_ngram`` tokens occurred earlier verifies the
+    tokens that followed them instead of the drafter's block (see ``lookup.py``).
     """
     params = SamplingParams(temperature, top_p, top_k)
     if max_tokens < 0:
@@ -219,10 +225,18 @@ def stream_generate(
         stats.prompt_tps = len(tokens) / (time.perf_counter() - tic)
         tic = time.perf_counter()
 
-        def draft_and_verify(anchor: mx.array, K: int):
+        copy_index = CopyIndex(tokens, copy_ngram) if copy_drafts and drafter else None
+
+        def draft_and_verify(anchor: mx.array, K: int, copied: list[int]):
             """Build (lazily) one cycle: K drafts after the anchor, one verify, acceptance."""
             draft_probs = None
-            if K > 0:
+            if copied:  # a point-mass proposal: exact under rejection sampling too
+                drafts = mx.array(copied, dtype=mx.uint32)
+                if not params.greedy:
+                    draft_probs = mx.put_along_axis(
+                        mx.zeros((K, target.vocab_size)), drafts[:, None].astype(mx.int32),
+                        mx.array(1.0), axis=-1)
+            elif K > 0:
                 # A drafter trained on blocks of size b always drafts with b inputs (its
                 # attention over the MASK positions is bidirectional); we verify the first K.
                 draft_block = max(B, drafter.block_size)
@@ -256,6 +270,8 @@ def stream_generate(
                 new_tokens, reason = new_tokens[:room], "length"
             for tok in new_tokens:
                 detokenizer.add_token(tok)
+            if copy_index is not None and reason is None:
+                copy_index.extend(new_tokens)
             stats.generation_tokens += len(new_tokens) + (reason == "stop")
             stats.generation_tps = stats.generation_tokens / max(time.perf_counter() - tic, 1e-9)
             if reason is not None:
@@ -267,7 +283,11 @@ def stream_generate(
             # Start the next cycle before handing these tokens to the caller, so its compute
             # overlaps whatever the caller does with them. Never draft past max_tokens.
             K = min(B - 1, max_tokens - stats.generation_tokens - 1)
-            packed, next_tokens, features = draft_and_verify(anchor, K)
+            copied = copy_index.lookup(K) if copy_index is not None else []
+            if copied:
+                K = len(copied)
+                stats.copy_cycles += 1
+            packed, next_tokens, features = draft_and_verify(anchor, K, copied)
             mx.async_eval(packed)
             yield GenerationResponse(detokenizer.last_segment, new_tokens, accepted, stats)
 

@@ -1,0 +1,63 @@
+"""Copy drafts (prompt lookup): the index, and lossless greedy and sampled output."""
+
+import mlx.core as mx
+import numpy as np
+from test_lossless_greedy import reference
+from test_lossless_sampling import N_SAMPLES, PROMPT, V, chi_square, exact_joint
+from tiny import make_drafter, make_target, make_tokenizer
+
+from mlx_dflash import stream_generate
+from mlx_dflash.accept import SamplingParams
+from mlx_dflash.lookup import CopyIndex
+
+
+def test_index_finds_the_latest_earlier_occurrence():
+    index = CopyIndex([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5], ngram=3)
+    assert index.lookup(4) == []  # the suffix (7, 8, 5) never occurred before
+    index.extend([1, 2, 3])
+    assert index.lookup(2) == [7, 8]  # the later of the two earlier "1 2 3"
+    assert index.lookup(0) == []
+    index.extend([7])
+    assert index.lookup(9) == [8, 5, 1, 2, 3, 7]  # runs up to the end of what is known
+
+
+def test_greedy_with_copy_drafts_is_lossless():
+    model = make_target("qwen3", seed=2)
+    drafter = make_drafter(model, block_size=8)
+    tok = make_tokenizer(128)
+    rng = np.random.default_rng(0)
+    copies = 0
+    for length in (3, 12, 50):
+        base = rng.integers(3, 128, size=length).tolist()
+        prompt = base + base[: length // 2]  # repeats: the lookup has something to find
+        want, want_reason = reference(model, prompt, 40)
+        got = []
+        for r in stream_generate(model, drafter, tok, prompt, max_tokens=40, block_size=8,
+                                 copy_drafts=True, copy_ngram=2):
+            got += r.tokens
+        assert got == want and r.finish_reason == want_reason
+        copies += r.stats.copy_cycles
+    assert copies > 0
+
+
+def test_sampling_with_copy_drafts_follows_the_target():
+    model = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)
+    drafter = make_drafter(model, block_size=4, layer_ids=(0, 1), mask_token_id=2, seed=7)
+    tok = make_tokenizer(V, eos_id=V)
+    params = SamplingParams(0.8, 1.0, 0)
+    joint, marginal4 = exact_joint(model, params)
+    mx.random.seed(7)
+    counts, counts4, copies = np.zeros((V, V, V)), np.zeros(V), 0
+    for _ in range(N_SAMPLES):
+        out = []
+        for r in stream_generate(model, drafter, tok, PROMPT, max_tokens=4, temperature=0.8,
+                                 copy_drafts=True, copy_ngram=1):
+            out += r.tokens
+        copies += r.stats.copy_cycles
+        counts[out[0], out[1], out[2]] += 1
+        counts4[out[3]] += 1
+    stat, dof = chi_square(counts.ravel(), joint.ravel())
+    assert stat < dof + 5 * np.sqrt(2 * dof), f"joint chi2 {stat:.1f} with {dof} dof"
+    stat4, dof4 = chi_square(counts4, marginal4)
+    assert stat4 < dof4 + 5 * np.sqrt(2 * dof4)
+    assert copies > N_SAMPLES // 2  # most runs verified at least one copied block
