@@ -81,11 +81,11 @@ def _plain(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> tu
     return tokens, elapsed
 
 
-def _speculative(model, drafter, tokenizer, prompt, max_tokens, block_size):
+def _speculative(model, drafter, tokenizer, prompt, max_tokens, options):
     tic = time.perf_counter()
     tokens, last = [], None
     for last in stream_generate(model, drafter, tokenizer, prompt, max_tokens=max_tokens,
-                                block_size=block_size):
+                                **options):
         tokens += last.tokens
     return tokens, time.perf_counter() - tic, last.stats
 
@@ -98,7 +98,10 @@ def run_bench(
     block_sizes: list[int],
     max_tokens: int = 128,
     progress: bool = True,
+    copy_drafts: bool = False,
 ) -> dict:
+    """Per domain: plain decoding, then DFlash at each block size (and with copy drafts
+    when asked: variant "B+copy"), interleaved prompt by prompt."""
     from tqdm import tqdm
 
     def chat(text: str) -> list[int]:
@@ -111,6 +114,7 @@ def run_bench(
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "device": str(mx.default_device()), "mlx": mx.__version__},
         "settings": {"max_tokens": max_tokens, "block_sizes": block_sizes, "greedy": True,
+                     "copy_drafts": copy_drafts,
                      "dtype": str(model.model.embed_tokens.weight.dtype)},
         "domains": {},
     }
@@ -122,22 +126,28 @@ def run_bench(
         pass
     cost = {B: measure_pass_costs(model, B) for B in block_sizes}
     results["verify_decode_cost"] = {str(B): c for B, c in cost.items()}
-    total = sum(len(p) for p in prompt_sets.values()) * (1 + len(block_sizes))
+    variants = {str(B): (B, {"block_size": B}) for B in block_sizes}
+    if copy_drafts:
+        variants.update({f"{B}+copy": (B, {"block_size": B, "copy_drafts": True})
+                         for B in block_sizes})
+    total = sum(len(p) for p in prompt_sets.values()) * (1 + len(variants))
     bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
     for domain, prompts in prompt_sets.items():
         plain_tokens, plain_time = 0, 0.0
-        spec = {B: {"tokens": 0, "time": 0.0, "acc": [], "pos_hits": [0] * (B - 1),
-                    "pos_tries": [0] * (B - 1), "mismatches": 0} for B in block_sizes}
+        spec = {name: {"tokens": 0, "time": 0.0, "acc": [], "pos_hits": [0] * (B - 1),
+                       "pos_tries": [0] * (B - 1), "mismatches": 0, "copy_cycles": 0}
+                for name, (B, _) in variants.items()}
         for text in prompts:
             prompt = chat(text)
             ref, elapsed = _plain(model, tokenizer, prompt, max_tokens)
             plain_tokens += len(ref)
             plain_time += elapsed
             bar.update(1)
-            for B in block_sizes:
+            for name, (_, options) in variants.items():
                 out, elapsed, stats = _speculative(model, drafter, tokenizer, prompt,
-                                                   max_tokens, B)
-                s = spec[B]
+                                                   max_tokens, options)
+                s = spec[name]
+                s["copy_cycles"] += stats.copy_cycles
                 s["tokens"] += len(out)
                 s["time"] += elapsed
                 s["acc"] += stats.acceptance_lengths
@@ -152,9 +162,10 @@ def run_bench(
                                                      "seconds": plain_time,
                                                      "tokens_per_s": plain_tps},
                  "speculative": {}}
-        for B, s in spec.items():
+        for name, s in spec.items():
+            B = variants[name][0]
             tps = s["tokens"] / s["time"]
-            entry["speculative"][str(B)] = {
+            entry["speculative"][name] = {
                 "tokens": s["tokens"],
                 "seconds": s["time"],
                 "tokens_per_s": tps,
@@ -164,6 +175,7 @@ def run_bench(
                                            for h, t in zip(s["pos_hits"], s["pos_tries"])],
                 "verify_decode_ratio": cost[B]["ratio"],
                 "outputs_differing_from_plain": s["mismatches"],
+                "copy_cycle_share": s["copy_cycles"] / max(len(s["acc"]), 1),
             }
         results["domains"][domain] = entry
     bar.close()

@@ -44,6 +44,12 @@ class Target:
         if check:
             self._check_forward()
 
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The dtype the target computes in (its embedding's, or its scales' if quantized)."""
+        emb = self.inner.embed_tokens
+        return emb.scales.dtype if hasattr(emb, "scales") else emb.weight.dtype
+
     # -- the pieces the drafter shares ------------------------------------------------------
     def embed(self, tokens: mx.array) -> mx.array:
         return self.inner.embed_tokens(tokens)

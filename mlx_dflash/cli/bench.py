@@ -24,6 +24,8 @@ def bench(
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", min=1),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Prompts per file."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures here."),
+    copy: bool = typer.Option(False, "--copy", help="Also run each block size with copy "
+                              "drafts (variant 'B+copy')."),
 ) -> None:
     """Compare plain greedy decoding with DFlash at several block sizes (runs interleaved)."""
     from ..bench import format_table, load_prompt_sets, run_bench
@@ -39,7 +41,8 @@ def bench(
     target, draft, tokenizer = load_pair(model, resolve_drafter(drafter) if drafter else None)
     if draft is None:
         fail("bench needs a drafter (--drafter)")
-    results = run_bench(target, draft, tokenizer, sets, list(block_size), max_tokens)
+    results = run_bench(target, draft, tokenizer, sets, list(block_size), max_tokens,
+                        copy_drafts=copy)
     results["settings"]["drafter"] = str(getattr(draft, "source_path", drafter))
     results["settings"]["model"] = model or "default (SmolLM2-135M-Instruct, float32)"
     typer.echo(format_table(results))

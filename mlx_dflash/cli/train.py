@@ -23,6 +23,8 @@ def train(
     store: Optional[Path] = typer.Option(None, "--store", help="Feature store folder "
                                          "(default OUT/store; share one between runs)."),
     workers: int = typer.Option(2, "--workers", min=1, help="Generation processes."),
+    gen_batch_size: int = typer.Option(64, "--gen-batch-size", min=1,
+                                       help="Prompts generated together per forward."),
     generate_only: bool = typer.Option(False, "--generate-only",
                                        help="Fill the store and stop."),
     max_response_tokens: int = typer.Option(192, "--max-response-tokens", min=8),
@@ -89,7 +91,7 @@ def train(
     try:
         if rows:
             build_store_parallel(model, rows, store_dir, layer_ids, workers=workers,
-                                 max_tokens=max_response_tokens)
+                                 max_tokens=max_response_tokens, batch_size=gen_batch_size)
         elif not (store_dir / "manifest.json").exists():
             fail("no training data: pass --prompts, or point --store at a feature store")
         FeatureStore(store_dir).check(Target(target, check=False))

@@ -48,7 +48,10 @@ def resolve_path(path_or_hf_repo: str | Path) -> Path:
 def load_drafter(
     path_or_hf_repo: str | Path, model: Any = None, dtype: mx.Dtype | None = None
 ) -> DFlashDraftModel:
-    """Load a drafter checkpoint (z-lab layout); with ``model`` (the target), check it fits."""
+    """Load a drafter checkpoint (z-lab layout); with ``model`` (the target), check it fits.
+
+    ``dtype`` defaults to the target's compute dtype (a bfloat16 checkpoint next to a float32
+    target runs in float32: on CPUs only float32 matmuls are fast)."""
     path = resolve_path(path_or_hf_repo)
     config_file = path / "config.json"
     if not config_file.exists():
@@ -96,6 +99,10 @@ def load_drafter(
         raise ValueError(f"drafter checkpoint {path} has unexpected weights: "
                          f"{', '.join(unexpected[:8])}")
     drafter.load_weights(list(weights.items()))
+    if dtype is None and model is not None:
+        from ..target import Target
+
+        dtype = (model if isinstance(model, Target) else Target(model, check=False)).dtype
     if dtype is not None:
         drafter.set_dtype(dtype)
     mx.eval(drafter.parameters())

@@ -1,0 +1,66 @@
+"""Regeneration throughput, side by side on the same prompts (default target, float32).
+
+    python scripts/regen_throughput.py [--prompts FILE] [--n 128]
+
+  before      mlx-lm's continuous-batching batch_generate, tokens only (the previous pipeline;
+              its features were computed by a second target pass during training)
+  store x1    build_store in one process: tokens + tap features + top-k target probabilities
+  store x2    the same in two single-BLAS-thread worker processes
+Response tokens per second of wall time, model loading excluded for the in-process variants.
+"""
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import mlx_dflash  # noqa: F401  (fast BLAS first)
+from mlx_lm import load
+from mlx_lm.generate import batch_generate
+
+from mlx_dflash.default_target import ensure_default_target
+from mlx_dflash.train.data import read_prompts
+from mlx_dflash.train.store import FeatureStore, build_store, build_store_parallel
+
+LAYERS = [1, 10, 18, 27]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", default="../shared/datasets/train_math_gsm8k.jsonl")
+    ap.add_argument("--n", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=192)
+    args = ap.parse_args()
+    path = str(ensure_default_target())
+    model, tok = load(path)
+    rows = read_prompts(args.prompts, limit=args.n)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}],
+                                       add_generation_prompt=True) for r in rows]
+    rates = {}
+    tic = time.perf_counter()
+    out = batch_generate(model, tok, prompts, max_tokens=args.max_tokens, return_token_ids=True,
+                         completion_batch_size=48, prefill_batch_size=16)
+    rates["before (batch_generate, tokens only)"] = (
+        sum(len(t) for t in out.token_ids) / (time.perf_counter() - tic))
+    for name, workers in (("store x1 (tokens+features+top-k)", 1),
+                          ("store x2 workers (tokens+features+top-k)", 2)):
+        tmp = Path(tempfile.mkdtemp())
+        tic = time.perf_counter()
+        if workers == 1:
+            build_store(model, tok, rows, tmp, LAYERS, max_tokens=args.max_tokens,
+                        progress=False)
+        else:
+            build_store_parallel(path, rows, tmp, LAYERS, workers=workers,
+                                 max_tokens=args.max_tokens, progress=False)
+        n = sum(length - p for p, length in FeatureStore(tmp).lengths())
+        rates[name] = n / (time.perf_counter() - tic)
+        shutil.rmtree(tmp)
+    for name, rate in rates.items():
+        print(f"{name:45s} {rate:7.1f} response tokens/s")
+    print(json.dumps(rates))
+
+
+if __name__ == "__main__":
+    main()
