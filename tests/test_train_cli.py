@@ -31,8 +31,8 @@ def test_train_command_end_to_end(tmp_path):
                                  for i in range(3, 23)))
     args = ("train", "--out", tmp_path / "run", "--model", target, "--prompts", prompts,
             "--workers", 2, "--gen-batch-size", 6, "--max-response-tokens", 12,
-            "--block-size", 4, "--layers", 1, "--taps", 2, "--draft-vocab", 30, "--tv-weight", 0.5, "--mask-token-id", 2,
-            "--epochs", 2, "--grad-accum", 2)
+            "--block-size", 4, "--layers", 1, "--taps", 2, "--draft-vocab", 30,
+            "--tv-weight", 0.5, "--mask-token-id", 2, "--epochs", 2, "--grad-accum", 2)
     result = run(*args, "--generate-only")
     assert result.exit_code == 0, result.output
     store = FeatureStore(tmp_path / "run" / "store")
