@@ -177,6 +177,23 @@ def test_interrupted_run_resumes_where_it_stopped(tmp_path, monkeypatch):
     assert mx.allclose(resumed.fc.weight, full.fc.weight, atol=1e-4)
 
 
+def test_time_budget_sets_the_schedule_and_ends_the_run(tmp_path):
+    model, _, _ = _tiny_store(tmp_path)
+    config = TrainConfig(store_dir=str(tmp_path / "store"), out_dir=str(tmp_path / "run"),
+                         block_size=4, num_layers=1, mask_token_id=2, learning_rate=1e-3,
+                         max_minutes=0.02, grad_accum=2, warmup=0.2)
+    train(model, config, progress=False)
+    log = [json.loads(line) for line in open(tmp_path / "run" / "train_log.jsonl")]
+    assert log[-1]["train_seconds"] >= 1.2 and log[-2]["train_seconds"] < 1.2
+    lrs = [r["lr"] for r in log]
+    assert lrs[0] < 0.5e-3 and max(lrs) > 0.8e-3 and lrs[-1] < 0.3e-3
+    # A larger budget resumes the same run (its clock included).
+    config.max_minutes = 0.03
+    train(model, config, progress=False)
+    log2 = [json.loads(line) for line in open(tmp_path / "run" / "train_log.jsonl")]
+    assert log2[len(log)]["step"] == len(log) + 1 and log2[-1]["train_seconds"] >= 1.8
+
+
 def test_sliding_window_drafter_train_matches_inference_and_is_lossless():
     from test_lossless_greedy import reference, speculative
 

@@ -41,6 +41,9 @@ def train(
     ce_weight: float = typer.Option(1.0, "--ce-weight", min=0.0),
     epochs: float = typer.Option(3.0, "--epochs", min=0.01),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1),
+    minutes: Optional[float] = typer.Option(None, "--minutes", min=0.1,
+                                            help="Train for this much training time (the "
+                                            "schedule follows it; resumes keep the clock)."),
     learning_rate: float = typer.Option(6e-4, "--lr"),
     anchors: int = typer.Option(32, "--anchors", min=1, help="Anchors per sequence."),
     grad_accum: int = typer.Option(4, "--grad-accum", min=1),
@@ -103,7 +106,7 @@ def train(
     config = TrainConfig(store_dir=str(store_dir), out_dir=str(out), block_size=block_size,
                          num_layers=layers, mask_token_id=mask_token_id,
                          draft_vocab_size=draft_vocab or None, ce_weight=ce_weight,
-                         tv_weight=tv_weight, epochs=epochs, max_steps=max_steps,
+                         tv_weight=tv_weight, epochs=epochs, max_steps=max_steps, max_minutes=minutes,
                          learning_rate=learning_rate, num_anchors=anchors,
                          grad_accum=grad_accum, save_every_s=save_minutes * 60,
                          init_from=resolve_drafter(init_from) if init_from else None)

@@ -8,6 +8,7 @@ step costs only the drafter and its (reduced) head.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,6 +52,9 @@ class TrainConfig:
     warmup: float = 0.04
     epochs: float = 3.0
     max_steps: int | None = None  # caps epochs * steps_per_epoch (the schedule's length)
+    # A time budget instead: warm-up + cosine run over this many minutes of training time
+    # (kept across resumes), and the run stops when it is spent.
+    max_minutes: float | None = None
     grad_accum: int = 4  # sequences per optimizer step
     weight_decay: float = 0.01
     grad_clip: float = 1.0
@@ -91,7 +95,19 @@ def new_drafter(target: Target, config: TrainConfig, layer_ids: list[int]) -> DF
     return drafter
 
 
+def _timed_lr(config: TrainConfig, seconds: float) -> float:
+    """Warm-up + cosine to 10% over the time budget, as a function of training time spent."""
+    frac = min(seconds / (config.max_minutes * 60), 1.0)
+    if frac < config.warmup:
+        return config.learning_rate * frac / config.warmup
+    t = (frac - config.warmup) / max(1 - config.warmup, 1e-9)
+    low = 0.1 * config.learning_rate
+    return low + 0.5 * (config.learning_rate - low) * (1 + math.cos(math.pi * t))
+
+
 def _schedule(config: TrainConfig, total_steps: int):
+    if config.max_minutes:
+        return _timed_lr(config, 0.0)  # set before every step from the time spent
     warmup = max(1, int(config.warmup * total_steps))
     return optim.join_schedules(
         [optim.linear_schedule(0.0, config.learning_rate, warmup),
@@ -208,7 +224,9 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
 
     steps_per_epoch = max(1, len(train_idx) // config.grad_accum)
     total_steps = state.get("total_steps") or max(1, int(config.epochs * steps_per_epoch))
-    if config.max_steps:
+    if config.max_minutes:
+        total_steps = config.max_steps or 10**9  # the time budget ends the run
+    elif config.max_steps:
         total_steps = min(total_steps, config.max_steps)
     optimizer = optim.AdamW(learning_rate=_schedule(config, total_steps),
                             weight_decay=config.weight_decay)
@@ -234,11 +252,18 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
                                 **val}) + "\n")
 
     log = open(out / "train_log.jsonl", "a")
-    bar = tqdm(total=total_steps, initial=step, desc="training drafter", unit="step",
+    bar = tqdm(total=None if config.max_minutes else total_steps, initial=step,
+               desc="training drafter", unit="step",
                disable=not progress)
     tic, positions, smooth, last_save = time.perf_counter(), 0, None, time.perf_counter()
-    while step < total_steps:
+    def finished() -> bool:
+        spent = config.max_minutes and state["train_seconds"] >= config.max_minutes * 60
+        return step >= total_steps or bool(spent)
+
+    while not finished():
         t_step = time.perf_counter()
+        if config.max_minutes:
+            optimizer.learning_rate = _timed_lr(config, state["train_seconds"])
         epoch, within = divmod(step, steps_per_epoch)
         seq_ids = epoch_order(epoch)[within * config.grad_accum : (within + 1) * config.grad_accum]
         gen = np.random.default_rng([config.seed, step])
@@ -273,7 +298,7 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
                               "train_seconds": state["train_seconds"],
                               "block_positions_per_s": rate}) + "\n")
         log.flush()
-        if time.perf_counter() - last_save > config.save_every_s or step == total_steps:
+        if time.perf_counter() - last_save > config.save_every_s or finished():
             save_and_validate()
             last_save = time.perf_counter()
     bar.close()
