@@ -106,7 +106,8 @@ def train(
     config = TrainConfig(store_dir=str(store_dir), out_dir=str(out), block_size=block_size,
                          num_layers=layers, mask_token_id=mask_token_id,
                          draft_vocab_size=draft_vocab or None, ce_weight=ce_weight,
-                         tv_weight=tv_weight, epochs=epochs, max_steps=max_steps, max_minutes=minutes,
+                         tv_weight=tv_weight, epochs=epochs, max_steps=max_steps,
+                         max_minutes=minutes,
                          learning_rate=learning_rate, num_anchors=anchors,
                          grad_accum=grad_accum, save_every_s=save_minutes * 60,
                          init_from=resolve_drafter(init_from) if init_from else None)
