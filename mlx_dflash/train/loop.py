@@ -212,10 +212,15 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
             ids, coverage = choose_draft_vocab(response, target.vocab_size,
                                                config.draft_vocab_size)
             drafter.set_draft_vocab(mx.array(ids))
+            held_out = [store[int(i)].tokens[store[int(i)].prompt_len:] for i in val_idx]
+            held_out = np.concatenate(held_out) if held_out else np.zeros(0, np.int32)
+            held_cov = float(np.isin(held_out, ids).mean()) if len(held_out) else None
             print(f"draft vocabulary: {len(ids)} tokens cover {coverage:.2%} of "
-                  f"{len(response)} response tokens")
+                  f"{len(response)} training response tokens"
+                  + (f", {held_cov:.2%} of {len(held_out)} held-out ones" if held_cov else ""))
             (out / "draft_vocab.json").write_text(json.dumps(
-                {"size": len(ids), "coverage": coverage, "response_tokens": len(response)}) + "\n")
+                {"size": len(ids), "coverage": coverage, "response_tokens": len(response),
+                 "held_out_coverage": held_cov, "held_out_tokens": len(held_out)}) + "\n")
         scale = feature_scale([np.asarray(store[int(i)].features) for i in train_idx[:16]])
         if config.init_from:
             _fold_scale(drafter, scale, inverse=True)  # saved fc reads raw features

@@ -1,0 +1,46 @@
+"""Plot held-out acceptance against training time for one or more runs.
+
+    python scripts/training_curve.py RUN_DIR[=LABEL] ... --plot docs/training_curve.png
+
+Reads each run's val_log.jsonl (written at every checkpoint): the teacher-forced expected
+acceptance length on held-out store sequences (greedy prefix of a 16-token block, +1) against
+training hours (single-thread training time; checkpoint/validation time left out).
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("runs", nargs="+")
+    ap.add_argument("--plot", required=True)
+    args = ap.parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for spec in args.runs:
+        path, _, label = spec.partition("=")
+        rows = [json.loads(line) for line in open(Path(path) / "val_log.jsonl")]
+        hours = [r["train_seconds"] / 3600 for r in rows]
+        ax1.plot(hours, [r["expected_tau"] for r in rows], marker="o", label=label or path)
+        ax2.plot(hours, [r["accuracy"][0] for r in rows], marker="o", label=label or path)
+        print(f"{label or path}: " + ", ".join(f"{h:.2f} h -> tau {r['expected_tau']:.3f}"
+                                               for h, r in zip(hours, rows)))
+    ax1.set(title="Held-out expected acceptance length (teacher-forced)",
+            xlabel="training hours (1 thread)", ylabel="tau")
+    ax2.set(title="Held-out position-1 accuracy", xlabel="training hours (1 thread)",
+            ylabel="accuracy")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
