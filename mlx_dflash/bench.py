@@ -126,7 +126,7 @@ def run_bench(
         pass
     cost = {B: measure_pass_costs(model, B) for B in block_sizes}
     results["verify_decode_cost"] = {str(B): c for B, c in cost.items()}
-    variants = {str(B): (B, {"block_size": B}) for B in block_sizes}
+    variants = {str(B): (B, {"block_size": B, "copy_drafts": False}) for B in block_sizes}
     if copy_drafts:
         variants.update({f"{B}+copy": (B, {"block_size": B, "copy_drafts": True})
                          for B in block_sizes})

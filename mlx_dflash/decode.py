@@ -22,6 +22,10 @@ from .lookup import CopyIndex
 from .target import Target
 
 DEFAULT_PREFILL_STEP = 2048
+# Copy drafts (lookup.py) by default, with this window: the rule measured best on the eval
+# files (scripts/copy_rule.py, docs/training.md).
+COPY_DRAFTS = True
+COPY_NGRAM = 2
 
 
 @dataclass
@@ -173,8 +177,8 @@ def stream_generate(
     block_size: int | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     prompt_progress: Any = None,
-    copy_drafts: bool = False,
-    copy_ngram: int = 3,
+    copy_drafts: bool = COPY_DRAFTS,
+    copy_ngram: int = COPY_NGRAM,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate from ``prompt`` with speculative decoding; yields one response per cycle.
 

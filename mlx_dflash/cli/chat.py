@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import typer
 
+from ..decode import COPY_DRAFTS
 from .app import app, fail
 from .common import PrefillProgress, load_pair
 
@@ -51,6 +52,9 @@ def chat(
     system_prompt: Optional[str] = typer.Option(None, "--system-prompt", "-s",
                                                 help="A system message opening the chat."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
+    copy: bool = typer.Option(COPY_DRAFTS, "--copy/--no-copy",
+                              help="Copy drafts: verify what followed an earlier occurrence of "
+                              "the last tokens when there is one."),
 ) -> None:
     """Chat with the model (multi-turn, its chat template), one statistics line per reply.
 
@@ -116,6 +120,7 @@ def chat(
             for last in stream_generate(
                 target, draft, tokenizer, prompt, max_tokens=max_tokens, temperature=temp,
                 top_p=top_p, top_k=top_k, block_size=block_size, prompt_progress=progress,
+                copy_drafts=copy,
             ):
                 progress.clear()
                 reply.append(last.text)

@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from ..decode import COPY_DRAFTS
 from .app import app, fail
 from .common import PrefillProgress, chat_prompt, load_pair
 
@@ -28,6 +29,9 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed"),
     no_chat_template: bool = typer.Option(False, "--no-chat-template",
                                           help="Send the prompt as raw text."),
+    copy: bool = typer.Option(COPY_DRAFTS, "--copy/--no-copy",
+                              help="Copy drafts: verify what followed an earlier occurrence of "
+                              "the last tokens when there is one."),
 ) -> None:
     """Generate text for PROMPT with speculative decoding."""
     text = prompt if prompt is not None else prompt_arg
@@ -48,7 +52,7 @@ def generate(
     for last in stream_generate(
         target, draft, tokenizer, chat_prompt(tokenizer, text, not no_chat_template),
         max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k,
-        block_size=block_size, prompt_progress=progress,
+        block_size=block_size, prompt_progress=progress, copy_drafts=copy,
     ):
         progress.clear()
         print(last.text, end="", flush=True)

@@ -6,6 +6,7 @@ from typing import Optional
 
 import typer
 
+from ..decode import COPY_DRAFTS
 from .app import app, fail
 from .common import load_pair
 
@@ -28,6 +29,9 @@ def serve(
     max_context: Optional[int] = typer.Option(
         None, "--max-context", min=2, help="Context size (default: the target's config)."),
     log_level: str = typer.Option("info", "--log-level"),
+    copy: bool = typer.Option(COPY_DRAFTS, "--copy/--no-copy",
+                              help="Copy drafts: verify what followed an earlier occurrence of "
+                              "the last tokens when there is one."),
 ) -> None:
     """Serve the model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions)."""
     try:
@@ -42,7 +46,8 @@ def serve(
 
         model_name = model if model is not None else DEFAULT_TARGET_NAME
     server_app = create_app(target, draft, tokenizer, model_name=model_name, api_key=api_key,
-                            max_context=max_context, block_size=block_size)
+                            max_context=max_context, block_size=block_size,
+                            copy_drafts=copy)
     typer.secho(f"Serving '{model_name}' at http://{host}:{port}/v1"
                 + (" (API key required)" if api_key else ""), fg=typer.colors.CYAN, err=True)
     # A bounded graceful shutdown: on Ctrl-C, open streams get 5 s, then they are cancelled.

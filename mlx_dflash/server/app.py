@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .. import __version__
+from ..decode import COPY_DRAFTS
 from .auth import APIKeyMiddleware
 from .errors import APIError, error_body, install_handlers
 from .prompts import check_context, check_token_ids, chat_prompt_ids, text_prompt_ids
@@ -45,11 +46,12 @@ def create_app(
     max_context: int | None = None,
     block_size: int | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    copy_drafts: bool = COPY_DRAFTS,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``model`` (with ``drafter``; None: the target alone)."""
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    worker = ModelWorker(model, drafter, tokenizer, block_size)
+    worker = ModelWorker(model, drafter, tokenizer, block_size, copy_drafts)
     ctx = max_context or context_size(model)
     vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
     created = int(time.time())

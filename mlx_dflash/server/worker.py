@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..decode import stream_generate
+from ..decode import COPY_DRAFTS, stream_generate
 from .stops import StopMatcher
 
 log = logging.getLogger("mlx_dflash.server")
@@ -81,9 +81,10 @@ class Job:
 class ModelWorker:
     """Owns (model, drafter, tokenizer); ``submit`` queues a job, the thread runs it."""
 
-    def __init__(self, model: Any, drafter: Any, tokenizer: Any, block_size: int | None = None):
+    def __init__(self, model: Any, drafter: Any, tokenizer: Any, block_size: int | None = None,
+                 copy_drafts: bool = COPY_DRAFTS):
         self.model, self.drafter, self.tokenizer = model, drafter, tokenizer
-        self.block_size = block_size
+        self.block_size, self.copy_drafts = block_size, copy_drafts
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -151,7 +152,7 @@ class ModelWorker:
         gen = stream_generate(
             self.model, self.drafter, self.tokenizer, job.prompt, max_tokens=job.max_tokens,
             temperature=job.temperature, top_p=job.top_p, top_k=job.top_k,
-            block_size=self.block_size,
+            block_size=self.block_size, copy_drafts=self.copy_drafts,
         )
         stats, reason = None, "length"
         try:
