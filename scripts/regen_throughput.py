@@ -6,6 +6,8 @@
               its features were computed by a second target pass during training)
   store x1    build_store in one process: tokens + tap features + top-k target probabilities
   store x2    the same in two single-BLAS-thread worker processes
+  before+features  the previous pipeline end to end: batch_generate, then the previous training
+              loop's feature pass (one target forward per whole sequence)
 Response tokens per second of wall time, model loading excluded for the in-process variants.
 """
 
@@ -17,10 +19,12 @@ import time
 from pathlib import Path
 
 import mlx_dflash  # noqa: F401  (fast BLAS first)
+import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import batch_generate
 
 from mlx_dflash.default_target import ensure_default_target
+from mlx_dflash.target import Target
 from mlx_dflash.train.data import read_prompts
 from mlx_dflash.train.store import FeatureStore, build_store, build_store_parallel
 
@@ -42,8 +46,15 @@ def main() -> None:
     tic = time.perf_counter()
     out = batch_generate(model, tok, prompts, max_tokens=args.max_tokens, return_token_ids=True,
                          completion_batch_size=48, prefill_batch_size=16)
-    rates["before (batch_generate, tokens only)"] = (
-        sum(len(t) for t in out.token_ids) / (time.perf_counter() - tic))
+    gen_s = time.perf_counter() - tic
+    n_resp = sum(len(t) for t in out.token_ids)
+    rates["before (batch_generate, tokens only)"] = n_resp / gen_s
+    target = Target(model)
+    tic = time.perf_counter()
+    for p, t in zip(prompts, out.token_ids):
+        mx.eval(target.hidden_states(mx.array(p + list(t))[None], None, LAYERS)[1])
+    rates["before+features (batch_generate + feature pass)"] = (
+        n_resp / (gen_s + time.perf_counter() - tic))
     for name, workers in (("store x1 (tokens+features+top-k)", 1),
                           ("store x2 workers (tokens+features+top-k)", 2)):
         tmp = Path(tempfile.mkdtemp())
