@@ -197,6 +197,8 @@ def stream_generate(
         check_fits(drafter, target)
     B = 1 if drafter is None else (
         block_size or drafter.args.verify_block_size or drafter.block_size)
+    if drafter is not None and hasattr(drafter, "max_drafts"):  # a fixed-width family
+        B = min(B, drafter.max_drafts + 1)
     if B < 1:
         raise ValueError(f"block_size must be >= 1, got {B}")
     if B == 1:

@@ -3,25 +3,17 @@ feature store, a drafter is trained from it; errors name the problem."""
 
 import json
 
-import mlx.core as mx
-from mlx.utils import tree_flatten
 from test_convert_cli import run
-from tiny import make_target, make_tokenizer
+from tiny import make_target, make_tokenizer, save_target
 
 from mlx_dflash import load_drafter
 from mlx_dflash.train.store import FeatureStore
 
 
 def target_dir(path, seed=0):
-    path.mkdir()
     model = make_target("qwen3", vocab_size=96, num_layers=8, seed=seed)
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    config = {k: v for k, v in vars(model.args).items() if not k.startswith("_")}
-    (path / "config.json").write_text(json.dumps(config))
-    tok = make_tokenizer(96)
-    tok._tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    tok._tokenizer.save_pretrained(str(path))
-    return path
+    return save_target(model, make_tokenizer(96), path,
+                       chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
 
 
 def test_train_command_end_to_end(tmp_path):

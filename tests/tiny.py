@@ -71,6 +71,7 @@ def make_drafter(
     num_layers: int = 1,
     mask_token_id: int = 2,
     seed: int = 1,
+    cls=DFlashDraftModel,
     **overrides,
 ) -> DFlashDraftModel:
     a = target_model.args
@@ -89,7 +90,7 @@ def make_drafter(
         **overrides,
     )
     mx.random.seed(seed)
-    drafter = DFlashDraftModel(args)
+    drafter = cls(args)
     mx.eval(drafter.parameters())
     return drafter
 

@@ -12,10 +12,14 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .dflash import DFlashDraftModel
+from .dspark import DSparkDraftModel
 from .layers import DraftArgs
 
-FAMILIES = {"DFlashDraftModel": DFlashDraftModel}
-NOT_YET = {"DFlash2DraftModel": "DFlash 2", "DSparkDraftModel": "DSpark"}
+# DeepSpec writes Qwen3DSparkModel (fields at the top level); SpecForge-style exports write
+# DSparkDraftModel with the fields in dflash_config. DraftArgs.from_config reads both.
+FAMILIES = {"DFlashDraftModel": DFlashDraftModel, "Qwen3DSparkModel": DSparkDraftModel,
+            "DSparkDraftModel": DSparkDraftModel}
+NOT_YET = {"DFlash2DraftModel": "DFlash 2", "Gemma4DSparkModel": "Gemma 4 DSpark"}
 
 
 class DrafterMismatchError(ValueError):
@@ -151,11 +155,11 @@ def check_fits(drafter: DFlashDraftModel, model: Any) -> None:
         )
 
 
-def drafter_config(drafter: DFlashDraftModel, architecture: str = "DFlashDraftModel") -> dict:
-    """The z-lab style config.json for a drafter."""
+def drafter_config(drafter: DFlashDraftModel) -> dict:
+    """The config.json for a drafter: z-lab layout for DFlash, DeepSpec's for DSpark."""
     a = drafter.args
     config = {
-        "architectures": [architecture],
+        "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "block_size": a.block_size,
         "dflash_config": {"target_layer_ids": a.target_layer_ids,
@@ -181,6 +185,17 @@ def drafter_config(drafter: DFlashDraftModel, architecture: str = "DFlashDraftMo
     if a.sliding_window is not None:
         config["layer_types"] = a.layer_types
         config["sliding_window"] = a.sliding_window
+    if isinstance(drafter, DSparkDraftModel):
+        fields = config.pop("dflash_config")
+        config.update(fields, architectures=["Qwen3DSparkModel"], markov_rank=a.markov_rank,
+                      enable_confidence_head=a.enable_confidence_head,
+                      num_anchors=a.extra.get("num_anchors", 512))
+        if a.markov_rank:
+            config["markov_head_type"] = a.markov_head_type
+        if a.enable_confidence_head:
+            config["confidence_head_with_markov"] = a.confidence_head_with_markov
+        if a.confidence_temperatures:
+            config["confidence_temperatures"] = a.confidence_temperatures
     return config
 
 
@@ -197,5 +212,5 @@ def save_drafter(drafter: DFlashDraftModel, path: str | Path, extra_config: dict
     return Path(path)
 
 
-__all__ = ["DFlashDraftModel", "DraftArgs", "DrafterMismatchError", "check_fits",
-           "load_drafter", "save_drafter", "drafter_config"]
+__all__ = ["DFlashDraftModel", "DSparkDraftModel", "DraftArgs", "DrafterMismatchError",
+           "check_fits", "load_drafter", "save_drafter", "drafter_config"]

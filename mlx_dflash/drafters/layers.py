@@ -46,6 +46,12 @@ class DraftArgs:
     verify_block_size: int | None = None
     # Reduced draft vocabulary: the head uses only these many target rows (ids in the weights).
     draft_vocab_size: int | None = None
+    # DSpark (zero rank: none): Markov head, confidence head, calibration temperatures.
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = True
+    confidence_temperatures: list[float] | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -105,6 +111,11 @@ class DraftArgs:
             input_embedding_scale=float(pick("input_embedding_scale", 1.0) or 1.0),
             verify_block_size=pick("verify_block_size"),
             draft_vocab_size=pick("draft_vocab_size"),
+            markov_rank=int(pick("markov_rank", 0) or 0),
+            markov_head_type=str(pick("markov_head_type", "vanilla")).lower(),
+            enable_confidence_head=bool(pick("enable_confidence_head", False)),
+            confidence_head_with_markov=bool(pick("confidence_head_with_markov", True)),
+            confidence_temperatures=pick("confidence_temperatures"),
         )
 
 

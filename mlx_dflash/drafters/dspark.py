@@ -1,0 +1,204 @@
+"""DSpark (DeepSpec): a DFlash backbone whose anchor slot already predicts the first draft,
+a rank-r Markov head that conditions each draft on the previous one, and a confidence head.
+
+Block ``[anchor, MASK x (g-1)]`` at positions ``a..a+g-1``: slot k predicts token ``a+k+1``
+(g inputs, g drafts). Draft logits are ``U_k + B(x_(k-1), .)`` with ``U_k`` the head over the
+backbone's final hidden state and ``B = W2(W1[x_(k-1)])`` (vanilla; gated and rnn variants as in
+DeepSpec), ``x_(-1)`` = the anchor, sampled left to right; the walk never touches the backbone.
+The confidence ``c_k = sigmoid(w . [h_k ; W1[x_(k-1)]] + b)`` estimates the chance that draft
+k survives given that the ones before it did. Weight names follow DeepSpec's Qwen3DSparkModel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..accept import SamplingParams, sampling_logits
+from .dflash import DFlashDraftModel
+from .layers import DraftArgs
+
+MARKOV_KINDS = ("vanilla", "gated", "rnn")
+
+
+class MarkovHead(nn.Module):
+    """B(prev, .): a rank-r bigram bias over the drafter's vocabulary."""
+
+    def __init__(self, n_prev: int, n_out: int, rank: int, hidden: int, kind: str):
+        super().__init__()
+        if kind not in MARKOV_KINDS:
+            raise ValueError(f"markov_head_type '{kind}' is not one of {', '.join(MARKOV_KINDS)}")
+        self.kind = kind
+        self.markov_w1 = nn.Embedding(n_prev, rank)
+        self.markov_w2 = nn.Linear(rank, n_out, bias=False)
+        if kind == "gated":
+            self.gate_proj = nn.Linear(hidden + rank, rank)
+        elif kind == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden, 3 * rank)
+
+    def step(self, prev_emb: mx.array, h: mx.array, state: mx.array | None):
+        """One slot: (bias [.., n_out], new rnn state). prev_emb = W1[prev], h = slot hidden."""
+        if self.kind == "vanilla":
+            return self.markov_w2(prev_emb), state
+        if self.kind == "gated":
+            gate = mx.sigmoid(self.gate_proj(mx.concatenate([h, prev_emb], axis=-1)))
+            return self.markov_w2(gate * prev_emb), state
+        if state is None:
+            state = mx.zeros_like(prev_emb)
+        g, c, o = mx.split(self.joint_proj(mx.concatenate([state, prev_emb, h], axis=-1)), 3,
+                           axis=-1)
+        g = mx.sigmoid(g)
+        state = g * state + (1 - g) * mx.tanh(c)
+        return self.markov_w2(mx.tanh(o)), state
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, dims: int):
+        super().__init__()
+        self.proj = nn.Linear(dims, 1)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.proj(x)[..., 0]
+
+
+class DSparkDraftModel(DFlashDraftModel):
+    family = "dspark"
+
+    def __init__(self, args: DraftArgs):
+        super().__init__(args)
+        a = args
+        n_out = a.draft_vocab_size or a.vocab_size
+        # With a reduced vocabulary, W1 has one more row: the previous token outside it.
+        n_prev = n_out + 1 if a.draft_vocab_size else n_out
+        if a.markov_rank:  # rank 0: DeepSpec's anchor-first DFlash baseline
+            self.markov_head = MarkovHead(n_prev, n_out, a.markov_rank, a.hidden_size,
+                                          a.markov_head_type)
+        if a.enable_confidence_head:
+            with_markov = a.confidence_head_with_markov and a.markov_rank
+            self.confidence_head = ConfidenceHead(a.hidden_size + (a.markov_rank
+                                                                   if with_markov else 0))
+
+    @property
+    def max_drafts(self) -> int:
+        """g inputs give g drafts; the block width never changes (DFlash widens its block)."""
+        return self.block_size
+
+    def set_draft_vocab(self, ids: mx.array) -> None:
+        if ids.shape[0] != self.args.draft_vocab_size:
+            raise ValueError("a DSpark drafter's vocabulary size is fixed when it is built "
+                             f"({self.args.draft_vocab_size}), got {ids.shape[0]} ids")
+        super().set_draft_vocab(ids)
+
+    def prev_index(self, tokens: mx.array) -> mx.array:
+        """Target ids -> rows of W1 (the last row stands for ids outside the vocabulary)."""
+        vocab = self.vocab_ids
+        if vocab is None:
+            return tokens.astype(mx.int32)
+        table = self.__dict__.get("_prev_table")
+        if table is None or table[0] is not vocab:
+            t = mx.full((self.args.vocab_size,), vocab.shape[0], dtype=mx.int32)
+            t[vocab] = mx.arange(vocab.shape[0], dtype=mx.int32)
+            table = (vocab, t)
+            object.__setattr__(self, "_prev_table", table)
+        return table[1][tokens.astype(mx.int32)]
+
+    def markov(self, prev: mx.array, hidden: mx.array, state: mx.array | None):
+        """(W1[prev] or None, Markov bias or 0, new state) for one slot or a [.., g] batch."""
+        if "markov_head" not in self:
+            return None, 0.0, state
+        prev_emb = self.markov_head.markov_w1(prev)
+        bias, state = self.markov_head.step(prev_emb, hidden, state)
+        return prev_emb, bias, state
+
+    def confidence_logits(self, hidden: mx.array, prev_emb: mx.array | None) -> mx.array | None:
+        if "confidence_head" not in self:
+            return None
+        x = hidden
+        if self.args.confidence_head_with_markov and prev_emb is not None:
+            x = mx.concatenate([hidden, prev_emb], axis=-1)
+        return self.confidence_head(x)
+
+    def block_logits(
+        self, target: Any, hidden: mx.array, prev: mx.array
+    ) -> tuple[mx.array, mx.array | None]:
+        """Teacher-forced slots: hidden [N, g, D], prev [N, g] W1 rows of the previous tokens
+        -> draft logits [N, g, V'] (with the Markov bias) and confidence logits [N, g]."""
+        unary = self.head(target, hidden)
+        if "markov_head" in self and self.markov_head.kind == "rnn":  # a recurrence over slots
+            state, biases, embs = None, [], []
+            for k in range(hidden.shape[1]):
+                e, b, state = self.markov(prev[:, k], hidden[:, k], state)
+                biases.append(b)
+                embs.append(e)
+            bias, prev_emb = mx.stack(biases, axis=1), mx.stack(embs, axis=1)
+        else:
+            prev_emb, bias, _ = self.markov(prev, hidden, None)
+        return unary + bias, self.confidence_logits(hidden, prev_emb)
+
+    def train_outputs(self, target: Any, features, blocks, anchors, labels):
+        """(draft logits [N, g, V'], confidence logits [N, g]) for training blocks whose slot k
+        is labelled labels[:, k] (token anchor+k+1); teacher forcing feeds the true tokens."""
+        embeds = target.embed(blocks)
+        if self.args.input_embedding_scale != 1.0:
+            embeds = embeds * self.args.input_embedding_scale
+        hidden = self.train_hidden(embeds, features, anchors)
+        prev = mx.concatenate([blocks[:, :1], labels[:, :-1]], axis=1)
+        return self.block_logits(target, hidden, self.prev_index(prev))
+
+    def propose(
+        self,
+        target: Any,
+        anchor: mx.array,
+        cache: list[Any],
+        block_size: int,
+        num_drafts: int,
+        params: SamplingParams,
+    ) -> tuple[mx.array, mx.array | None]:
+        """K <= g drafts by the Markov walk from the anchor (lazy: no host sync)."""
+        g, K = self.block_size, num_drafts
+        mask_ids = mx.full((g - 1,), self.args.mask_token_id, dtype=anchor.dtype)
+        embeds = target.embed(mx.concatenate([anchor, mask_ids])[None])
+        if self.args.input_embedding_scale != 1.0:
+            embeds = embeds * self.args.input_embedding_scale
+        hidden = self(embeds, cache)[0, :K]
+        unary = self.head(target, hidden)  # [K, V']
+        prev, state = self.prev_index(anchor)[0], None
+        drafts, probs, conf = [], [], []
+        for k in range(K):
+            prev_emb, bias, state = self.markov(prev, hidden[k], state)
+            logits = unary[k] + bias
+            c = self.confidence_logits(hidden[k], prev_emb)
+            if c is not None:
+                conf.append(c)
+            if params.greedy:
+                x = mx.argmax(logits, axis=-1)
+            else:
+                scaled = sampling_logits(logits[None], params)[0]
+                x = mx.random.categorical(scaled)
+                probs.append(mx.softmax(scaled, axis=-1))
+            drafts.append(x)
+            prev = x.astype(mx.int32)
+        # Per-slot survival probabilities (calibrated), for a scheduler to read.
+        object.__setattr__(self, "last_confidence",
+                           self.calibrated(mx.stack(conf)) if conf else None)
+        idx = mx.stack(drafts)
+        vocab = self.vocab_ids
+        out = (vocab[idx] if vocab is not None else idx).astype(mx.uint32)
+        if params.greedy:
+            return out, None
+        q = mx.stack(probs)
+        if vocab is not None:
+            q = mx.put_along_axis(mx.zeros((K, target.vocab_size), dtype=q.dtype),
+                                  mx.broadcast_to(vocab[None], q.shape), q, axis=-1)
+        return out, q
+
+    def calibrated(self, conf_logits: mx.array) -> mx.array:
+        """sigmoid(logit_k / T_k) with the sequentially fitted temperatures (1 if none)."""
+        temps = self.args.confidence_temperatures
+        if temps:
+            t = mx.array(temps[: conf_logits.shape[-1]] + [temps[-1]] *
+                         max(0, conf_logits.shape[-1] - len(temps)))
+            conf_logits = conf_logits / t
+        return mx.sigmoid(conf_logits)

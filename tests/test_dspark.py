@@ -1,0 +1,125 @@
+"""DSpark: anchor-first blocks, Markov walk, confidence head; lossless; DeepSpec checkpoints."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from test_lossless_greedy import reference
+from test_lossless_sampling import N_SAMPLES, PROMPT, V, chi_square, exact_joint
+from tiny import make_drafter, make_target, make_tokenizer
+
+from mlx_dflash import load_drafter, save_drafter, stream_generate
+from mlx_dflash.accept import SamplingParams
+from mlx_dflash.drafters import DSparkDraftModel
+from mlx_dflash.target import Target
+
+
+def make_dspark(model, kind="vanilla", vocab=None, **kw):
+    options = dict(block_size=5, layer_ids=(0, 2), markov_rank=16, markov_head_type=kind,
+                   enable_confidence_head=True, draft_vocab_size=len(vocab) if vocab else None)
+    options.update(kw)
+    drafter = make_drafter(model, cls=DSparkDraftModel, **options)
+    if vocab:
+        drafter.set_draft_vocab(mx.array(vocab))
+    # Random weights at a scale where the Markov bias matters.
+    drafter.markov_head.update({"markov_w2": {"weight": drafter.markov_head.markov_w2.weight
+                                              * 30}})
+    return drafter
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+@pytest.mark.parametrize("reduced", [False, True])
+def test_greedy_dspark_is_lossless_and_walk_matches_training(kind, reduced):
+    model = make_target("qwen3", seed=4)
+    vocab = np.random.default_rng(1).permutation(128)[:50].tolist() if reduced else None
+    drafter = make_dspark(model, kind, vocab)
+    tok = make_tokenizer(128)
+    for prompt in ([5], [9, 10, 11, 12], list(range(3, 40))):
+        want, _ = reference(model, prompt, 24)
+        got = []
+        for r in stream_generate(model, drafter, tok, prompt, max_tokens=24, block_size=9,
+                                 copy_drafts=False):
+            got += r.tokens
+            assert r.stats.block_size == 6  # g = 5 drafts at most
+        assert got == want
+    # The greedy walk is what teacher forcing scores when the drafts are the labels.
+    target = Target(model)
+    tokens = mx.array([[5, 6, 7, 8, 9, 10, 11]])
+    _, feats = target.hidden_states(tokens, None, drafter.target_layer_ids)
+    cache = drafter.make_cache()
+    drafter.commit(feats[:, :6], cache)
+    drafts, _ = drafter.propose(target, mx.array([11], dtype=mx.uint32), cache, 5, 5,
+                                SamplingParams())
+    assert drafter.last_confidence.shape == (5,)
+    block = mx.array([[11] + [drafter.mask_token_id] * 4])
+    logits, conf = drafter.train_outputs(target, feats[:, :6], block, mx.array([6]),
+                                         drafts[None].astype(mx.int32))
+    idx = mx.argmax(logits[0], axis=-1)
+    mapped = drafter.vocab_ids[idx] if reduced else idx
+    assert mapped.tolist() == drafts.tolist()
+    assert mx.allclose(mx.sigmoid(conf[0]), drafter.last_confidence, atol=1e-5)
+
+
+def test_sampled_dspark_follows_the_target():
+    model = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)
+    drafter = make_dspark(model, "vanilla", layer_ids=(0, 1), block_size=3, seed=7)
+    tok = make_tokenizer(V, eos_id=V)
+    params = SamplingParams(1.0, 1.0, 0)
+    joint, marginal4 = exact_joint(model, params)
+    mx.random.seed(11)
+    counts, counts4, accepted = np.zeros((V, V, V)), np.zeros(V), 0
+    for _ in range(N_SAMPLES):
+        out = []
+        for r in stream_generate(model, drafter, tok, PROMPT, max_tokens=4, temperature=1.0,
+                                 copy_drafts=False):
+            out += r.tokens
+            accepted += r.accepted
+        counts[out[0], out[1], out[2]] += 1
+        counts4[out[3]] += 1
+    stat, dof = chi_square(counts.ravel(), joint.ravel())
+    assert stat < dof + 5 * np.sqrt(2 * dof), f"joint chi2 {stat:.1f} with {dof} dof"
+    stat4, dof4 = chi_square(counts4, marginal4)
+    assert stat4 < dof4 + 5 * np.sqrt(2 * dof4)
+    assert accepted > 0
+
+
+def deepspec_dir(path, drafter, model):
+    """A checkpoint as DeepSpec writes one: top-level fields, embed/lm_head copies included."""
+    a = drafter.args
+    path.mkdir()
+    weights = dict(tree_flatten(drafter.parameters()))
+    weights["embed_tokens.weight"] = model.model.embed_tokens.weight
+    weights["lm_head.weight"] = model.model.embed_tokens.weight
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    config = {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3",
+              "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
+              "num_attention_heads": a.num_attention_heads, "head_dim": a.head_dim,
+              "num_key_value_heads": a.num_key_value_heads, "num_hidden_layers": 1,
+              "num_target_layers": a.num_target_layers, "vocab_size": a.vocab_size,
+              "rms_norm_eps": a.rms_norm_eps, "rope_parameters": {"rope_theta": 10000.0},
+              "block_size": a.block_size, "mask_token_id": a.mask_token_id,
+              "target_layer_ids": a.target_layer_ids, "num_anchors": 512,
+              "enable_confidence_head": True, "confidence_head_with_markov": True,
+              "markov_rank": 16, "markov_head_type": "Vanilla", "tie_word_embeddings": False,
+              "layer_types": ["full_attention"]}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_deepspec_checkpoint_loads_and_round_trips(tmp_path):
+    model = make_target("qwen3")
+    drafter = make_dspark(model)
+    loaded = load_drafter(deepspec_dir(tmp_path / "ds", drafter, model), model=model)
+    assert isinstance(loaded, DSparkDraftModel) and loaded.args.markov_head_type == "vanilla"
+    assert loaded.confidence_head.proj.weight.shape == (1, 64 + 16)
+    for (k, v), (k2, v2) in zip(tree_flatten(drafter.parameters()),
+                                tree_flatten(loaded.parameters())):
+        assert k == k2 and mx.array_equal(v, v2)
+    save_drafter(loaded, tmp_path / "ours")
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["markov_rank"] == 16
+    assert config["target_layer_ids"] == [0, 2] and "dflash_config" not in config
+    again = load_drafter(tmp_path / "ours", model=model)
+    assert isinstance(again, DSparkDraftModel)
