@@ -49,8 +49,8 @@ def main() -> None:
         if size:
             drafter.set_draft_vocab(mx.array(choose_draft_vocab(response, target.vocab_size,
                                                                 size)[0]))
-        fn = nn.value_and_grad(drafter, lambda *b, d=drafter, tv=tv: block_loss(
-            d, target, *b, weights, 1.0, tv))
+        fn = nn.value_and_grad(drafter, lambda b, d=drafter, tv=tv: block_loss(
+            d, target, b, weights, 1.0, tv))
         variants[name] = (fn, Batches(store, drafter, config, scale))
     seconds = {name: 0.0 for name in variants}
     positions = {name: 0 for name in variants}
@@ -58,11 +58,11 @@ def main() -> None:
         for name, (fn, batches) in variants.items():
             batch = batches(i % len(store), np.random.default_rng(i))
             tic = time.perf_counter()
-            (loss, _), grads = fn(*batch)
+            (loss, _), grads = fn(batch)
             mx.eval(loss, grads)
             if i >= 2:  # the first two are warm-up
                 seconds[name] += time.perf_counter() - tic
-                positions[name] += int(batch[4].size)
+                positions[name] += int(batch.valid.size)
     rates = {name: positions[name] / seconds[name] for name in variants}
     for name, rate in rates.items():
         print(f"{name:14s} {rate:8.0f} block positions/s  ({rate / rates['before']:.2f}x)")

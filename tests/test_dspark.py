@@ -54,8 +54,8 @@ def test_greedy_dspark_is_lossless_and_walk_matches_training(kind, reduced):
                                 SamplingParams())
     assert drafter.last_confidence.shape == (5,)
     block = mx.array([[11] + [drafter.mask_token_id] * 4])
-    logits, conf = drafter.train_outputs(target, feats[:, :6], block, mx.array([6]),
-                                         drafts[None].astype(mx.int32))
+    prev = mx.concatenate([mx.array([11]), drafts[:-1]])[None]
+    logits, conf = drafter.train_logits(target, feats[:, :6], block, mx.array([6]), prev)
     idx = mx.argmax(logits[0], axis=-1)
     mapped = drafter.vocab_ids[idx] if reduced else idx
     assert mapped.tolist() == drafts.tolist()

@@ -177,6 +177,29 @@ def test_interrupted_run_resumes_where_it_stopped(tmp_path, monkeypatch):
     assert mx.allclose(resumed.fc.weight, full.fc.weight, atol=1e-4)
 
 
+def test_dspark_trains_from_a_dflash_backbone(tmp_path):
+    from mlx_dflash.drafters import DSparkDraftModel
+
+    model, _, _ = _tiny_store(tmp_path)
+    base = TrainConfig(store_dir=str(tmp_path / "store"), out_dir=str(tmp_path / "dflash"),
+                       block_size=4, num_layers=1, mask_token_id=2, epochs=1, grad_accum=2)
+    train(model, base, progress=False)
+    config = TrainConfig(store_dir=str(tmp_path / "store"), out_dir=str(tmp_path / "dspark"),
+                         family="dspark", block_size=3, num_layers=1, mask_token_id=2,
+                         markov_rank=8, draft_vocab_size=40, ce_weight=0.1, tv_weight=1.8,
+                         gamma=4.0, learning_rate=3e-3, epochs=8, grad_accum=2,
+                         init_from=str(tmp_path / "dflash" / "checkpoint"))
+    trained = train(model, config, progress=False)
+    log = [json.loads(line) for line in open(tmp_path / "dspark" / "train_log.jsonl")]
+    assert len(log[0]["acc"]) == 3  # g = 3 inputs label 3 tokens
+    first = np.mean([r["loss"] for r in log[:4]])
+    assert np.mean([r["loss"] for r in log[-4:]]) < 0.8 * first
+    drafter = load_drafter(tmp_path / "dspark" / "checkpoint", model=model)
+    assert isinstance(drafter, DSparkDraftModel) and drafter.args.draft_vocab_size == 40
+    assert "confidence_head" in drafter and mx.allclose(drafter.fc.weight, trained.fc.weight,
+                                                        atol=1e-6)
+
+
 def test_time_budget_sets_the_schedule_and_ends_the_run(tmp_path):
     model, _, _ = _tiny_store(tmp_path)
     config = TrainConfig(store_dir=str(tmp_path / "store"), out_dir=str(tmp_path / "run"),

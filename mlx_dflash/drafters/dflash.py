@@ -132,6 +132,16 @@ class DFlashDraftModel(nn.Module):
         logits = self.draft_logits(target, anchor, cache, block_size, num_drafts)
         return proposal_from_logits(logits, params, self.vocab_ids, target.vocab_size)
 
+    def train_logits(
+        self, target: Any, features: mx.array, blocks: mx.array, anchors: mx.array,
+        prev: mx.array,
+    ) -> tuple[mx.array, None]:
+        """Draft logits [N, B-1, V'] of training blocks (slot k+1 predicts token anchor+k+1)."""
+        embeds = target.embed(blocks)
+        if self.args.input_embedding_scale != 1.0:
+            embeds = embeds * self.args.input_embedding_scale
+        return self.head(target, self.train_hidden(embeds, features, anchors)[:, 1:]), None
+
     def train_hidden(
         self, block_embeds: mx.array, features: mx.array, anchors: mx.array
     ) -> mx.array:

@@ -137,14 +137,14 @@ class DSparkDraftModel(DFlashDraftModel):
             prev_emb, bias, _ = self.markov(prev, hidden, None)
         return unary + bias, self.confidence_logits(hidden, prev_emb)
 
-    def train_outputs(self, target: Any, features, blocks, anchors, labels):
-        """(draft logits [N, g, V'], confidence logits [N, g]) for training blocks whose slot k
-        is labelled labels[:, k] (token anchor+k+1); teacher forcing feeds the true tokens."""
+    def train_logits(self, target: Any, features, blocks, anchors, prev):
+        """(draft logits [N, g, V'], confidence logits [N, g]) of training blocks; slot k is
+        labelled with token anchor+k+1 and ``prev`` [N, g] holds the true token before it
+        (teacher forcing: the anchor, then the labels)."""
         embeds = target.embed(blocks)
         if self.args.input_embedding_scale != 1.0:
             embeds = embeds * self.args.input_embedding_scale
         hidden = self.train_hidden(embeds, features, anchors)
-        prev = mx.concatenate([blocks[:, :1], labels[:, :-1]], axis=1)
         return self.block_logits(target, hidden, self.prev_index(prev))
 
     def propose(

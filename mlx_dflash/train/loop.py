@@ -20,9 +20,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..drafters import DFlashDraftModel, DraftArgs, load_drafter, save_drafter
+from ..drafters import DFlashDraftModel, DraftArgs, DSparkDraftModel, load_drafter, save_drafter
 from ..target import Target
 from .recipe import (
+    Batch,
     block_inputs,
     block_loss,
     choose_draft_vocab,
@@ -40,14 +41,18 @@ DEFAULT_MASK_TOKEN = {"smollm2": 16}
 class TrainConfig:
     store_dir: str
     out_dir: str
+    family: str = "dflash"  # or "dspark"
     block_size: int = 16
     num_layers: int = 2
+    markov_rank: int = 256  # DSpark only
+    markov_head_type: str = "vanilla"  # DSpark only
     mask_token_id: int | None = None
     draft_vocab_size: int | None = None  # None: the target's full head
     num_anchors: int = 32
     gamma: float = 7.0
     ce_weight: float = 1.0
     tv_weight: float = 0.0
+    conf_weight: float = 1.0  # DSpark's confidence head
     learning_rate: float = 6e-4
     warmup: float = 0.04
     epochs: float = 3.0
@@ -68,7 +73,9 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
 
-def new_drafter(target: Target, config: TrainConfig, layer_ids: list[int]) -> DFlashDraftModel:
+def new_drafter(
+    target: Target, config: TrainConfig, layer_ids: list[int], vocab: mx.array | None = None
+) -> DFlashDraftModel:
     a = target.model.args
     if config.mask_token_id is None:
         raise ValueError("mask_token_id is required (the target's vocabulary has no MASK token)")
@@ -87,8 +94,18 @@ def new_drafter(target: Target, config: TrainConfig, layer_ids: list[int]) -> DF
         rope_theta=float(getattr(a, "rope_theta", 10000.0)),
         max_position_embeddings=getattr(a, "max_position_embeddings", None) or 8192,
         num_target_layers=target.num_layers,
+        draft_vocab_size=None if vocab is None else int(vocab.shape[0]),
     )
-    drafter = DFlashDraftModel(args)
+    cls = DFlashDraftModel
+    if config.family == "dspark":
+        cls = DSparkDraftModel
+        args.markov_rank, args.markov_head_type = config.markov_rank, config.markov_head_type
+        args.enable_confidence_head = config.conf_weight > 0
+    elif config.family != "dflash":
+        raise ValueError(f"unknown drafter family '{config.family}' (dflash or dspark)")
+    drafter = cls(args)
+    if vocab is not None:
+        drafter.set_draft_vocab(vocab)
     if config.init_from_target:
         init_from_target(drafter, target)
     mx.eval(drafter.parameters())
@@ -151,6 +168,8 @@ class Batches:
     def __init__(self, store: FeatureStore, drafter, config: TrainConfig, scale: mx.array):
         self.store, self.config, self.scale = store, config, scale
         self.mask_id = drafter.mask_token_id
+        self.width = drafter.block_size
+        self.n_labels = getattr(drafter, "max_drafts", drafter.block_size - 1)
         vocab = drafter.vocab_ids
         V = drafter.args.vocab_size
         self.to_draft = np.arange(V, dtype=np.int32)  # target id -> drafter index (-1: none)
@@ -166,14 +185,35 @@ class Batches:
         anchors = sample_anchors(P, T, num_anchors or c.num_anchors, gen)
         if len(anchors) == 0:
             return None
-        blocks, labels, valid = block_inputs(tokens, anchors, c.block_size, self.mask_id)
+        n = self.n_labels
+        blocks, labels, valid = block_inputs(tokens, anchors, n + 1, self.mask_id)
         # Target distribution of token p sits at response row p - P.
-        rows = np.minimum(anchors[:, None] + np.arange(1, c.block_size)[None] - P, T - P - 1)
+        rows = np.minimum(anchors[:, None] + np.arange(1, n + 1)[None] - P, T - P - 1)
         topk_ids = self.to_draft[np.asarray(seq.topk_ids)[rows]]
         topk_probs = np.asarray(seq.topk_probs)[rows].astype(np.float32)
-        features = mx.array(np.asarray(seq.features[: T - 1]))[None].astype(mx.float32) * self.scale
-        return (features, mx.array(blocks), mx.array(anchors), mx.array(self.to_draft[labels]),
-                mx.array(valid), mx.array(topk_ids), mx.array(topk_probs))
+        prev = np.concatenate([tokens[anchors][:, None], labels[:, :-1]], axis=1)
+        features = mx.array(np.asarray(seq.features[: T - 1]))[None].astype(mx.float32)
+        return Batch(features * self.scale, mx.array(blocks[:, : self.width]),
+                     mx.array(anchors), mx.array(self.to_draft[labels]), mx.array(valid),
+                     mx.array(topk_ids), mx.array(topk_probs), mx.array(prev))
+
+
+def _choose_vocab(store, train_idx, val_idx, target, size: int, out: Path) -> mx.array:
+    """The draft vocabulary from the training responses; coverage reported and saved."""
+    def responses(idx):
+        parts = [store[int(i)].tokens[store[int(i)].prompt_len:] for i in idx]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+    response, held_out = responses(train_idx), responses(val_idx)
+    ids, coverage = choose_draft_vocab(response, target.vocab_size, size)
+    held_cov = float(np.isin(held_out, ids).mean()) if len(held_out) else None
+    print(f"draft vocabulary: {len(ids)} tokens cover {coverage:.2%} of {len(response)} "
+          "training response tokens"
+          + (f", {held_cov:.2%} of {len(held_out)} held-out ones" if held_cov else ""))
+    (out / "draft_vocab.json").write_text(json.dumps(
+        {"size": len(ids), "coverage": coverage, "response_tokens": len(response),
+         "held_out_coverage": held_cov, "held_out_tokens": len(held_out)}) + "\n")
+    return mx.array(ids)
 
 
 def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraftModel:
@@ -200,27 +240,25 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
         _fold_scale(drafter, scale, inverse=True)  # checkpoints hold the folded fc
         print(f"Resuming from {ckpt} at step {state['step']}")
     else:
+        base = None
         if config.init_from:
-            drafter = load_drafter(config.init_from, model=target, dtype=mx.float32)
+            base = load_drafter(config.init_from, model=target, dtype=mx.float32)
             print(f"Starting from the drafter in {config.init_from}")
+        vocab = None
+        if config.draft_vocab_size and (base is None or base.vocab_ids is None):
+            vocab = _choose_vocab(store, train_idx, val_idx, target, config.draft_vocab_size, out)
+        if base is not None and base.family == config.family:
+            drafter = base
+            if vocab is not None:
+                drafter.set_draft_vocab(vocab)
         else:
             mx.random.seed(config.seed)  # a run is reproducible from its config
-            drafter = new_drafter(target, config, store.layer_ids)
-        if config.draft_vocab_size and drafter.vocab_ids is None:
-            response = np.concatenate([store[int(i)].tokens[store[int(i)].prompt_len:]
-                                       for i in train_idx])
-            ids, coverage = choose_draft_vocab(response, target.vocab_size,
-                                               config.draft_vocab_size)
-            drafter.set_draft_vocab(mx.array(ids))
-            held_out = [store[int(i)].tokens[store[int(i)].prompt_len:] for i in val_idx]
-            held_out = np.concatenate(held_out) if held_out else np.zeros(0, np.int32)
-            held_cov = float(np.isin(held_out, ids).mean()) if len(held_out) else None
-            print(f"draft vocabulary: {len(ids)} tokens cover {coverage:.2%} of "
-                  f"{len(response)} training response tokens"
-                  + (f", {held_cov:.2%} of {len(held_out)} held-out ones" if held_cov else ""))
-            (out / "draft_vocab.json").write_text(json.dumps(
-                {"size": len(ids), "coverage": coverage, "response_tokens": len(response),
-                 "held_out_coverage": held_cov, "held_out_tokens": len(held_out)}) + "\n")
+            layer_ids = store.layer_ids if base is None else base.target_layer_ids
+            drafter = new_drafter(target, config, layer_ids, vocab)
+            if base is not None:  # another family's checkpoint: start from its backbone
+                shared = [(k, v) for k, v in tree_flatten(base.parameters())
+                          if k != "draft_vocab"]
+                drafter.load_weights(shared, strict=False)
         scale = feature_scale([np.asarray(store[int(i)].features) for i in train_idx[:16]])
         if config.init_from:
             _fold_scale(drafter, scale, inverse=True)  # saved fc reads raw features
@@ -240,10 +278,11 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
     if step and (ckpt / "optimizer.npz").exists():
         optimizer.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.npz")).items()))
 
-    weights = position_weights(config.block_size, config.gamma)
     batch_of = Batches(store, drafter, config, scale)
-    loss_and_grad = nn.value_and_grad(drafter, lambda *b: block_loss(
-        drafter, target, *b, weights, config.ce_weight, config.tv_weight))
+    weights = position_weights(batch_of.n_labels + 1, config.gamma)
+    conf_weight = config.conf_weight if config.family == "dspark" else 0.0
+    loss_and_grad = nn.value_and_grad(drafter, lambda b: block_loss(
+        drafter, target, b, weights, config.ce_weight, config.tv_weight, conf_weight))
 
     def epoch_order(epoch: int) -> np.ndarray:
         return np.random.default_rng(config.seed + 1 + epoch).permutation(train_idx)
@@ -277,11 +316,11 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
             batch = batch_of(int(i), gen)
             if batch is None:
                 continue
-            (loss, acc), grads = loss_and_grad(*batch)
+            (loss, acc), grads = loss_and_grad(batch)
             grads_sum = grads if grads_sum is None else tree_map(mx.add, grads_sum, grads)
             loss_sum += loss
             acc_sum = acc if acc_sum is None else acc_sum + acc
-            positions += int(batch[4].size)
+            positions += int(batch.valid.size)
             n += 1
         step += 1
         if n == 0:
@@ -328,11 +367,11 @@ def validate(drafter, target: Target, batch_of: Batches, idx, config: TrainConfi
         batch = batch_of(int(i), gen, num_anchors=32)
         if batch is None:
             continue
-        features, blocks, anchors, labels, valid = batch[:5]
-        hidden = drafter.train_hidden(target.embed(blocks), features, anchors)[:, 1:]
-        pred = np.array(mx.argmax(drafter.head(target, hidden), axis=-1))
-        valid = np.array(valid)
-        correct = (pred == np.array(labels)) & valid
+        logits, _ = drafter.train_logits(target, batch.features, batch.blocks, batch.anchors,
+                                         batch.prev)
+        pred = np.array(mx.argmax(logits, axis=-1))
+        valid = np.array(batch.valid)
+        correct = (pred == np.array(batch.labels)) & valid
         correct_by_pos = correct_by_pos + correct.sum(axis=0)
         valid_by_pos = valid_by_pos + valid.sum(axis=0)
         full = valid.all(axis=1)

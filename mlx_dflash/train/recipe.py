@@ -9,6 +9,7 @@ block (bidirectionally), never other blocks; position k predicts token ``anchor+
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,47 +58,60 @@ def position_weights(block_size: int, gamma: float) -> mx.array:
     return mx.array([math.exp(-(k - 1) / gamma) for k in range(1, block_size)])
 
 
+class Batch(NamedTuple):
+    """Training blocks of one sequence. Slot k of a block is labelled with token anchor+k+1
+    (DFlash: the slot after it, k+1, is the one that predicts it; see ``train_logits``)."""
+
+    features: mx.array  # [1, T-1, taps*D] standardised target features
+    blocks: mx.array  # [N, width] anchor + MASK ids
+    anchors: mx.array  # [N]
+    labels: mx.array  # [N, n] indices in the drafter's vocabulary (-1: outside it)
+    valid: mx.array  # [N, n] label inside the sequence
+    topk_ids: mx.array  # [N, n, k] the target's top-k (drafter indices, -1: outside)
+    topk_probs: mx.array  # [N, n, k] and their probabilities
+    prev: mx.array  # [N, n] target ids of the token before each label (teacher forcing)
+
+
 def block_loss(
     drafter: DFlashDraftModel,
     target: Target,
-    features: mx.array,
-    blocks: mx.array,
-    anchors: mx.array,
-    labels: mx.array,
-    valid: mx.array,
-    topk_ids: mx.array,
-    topk_probs: mx.array,
+    batch: Batch,
     weights: mx.array,
     ce_weight: float = 1.0,
     tv_weight: float = 0.0,
+    conf_weight: float = 0.0,
 ) -> tuple[mx.array, mx.array]:
-    """Position-weighted CE on the target's tokens plus total variation toward the target's
-    distribution, over all blocks of one sequence. Returns (loss, per-position accuracy).
+    """Position-weighted CE on the target's tokens, total variation toward the target's
+    distribution and (DSpark) the confidence head's BCE toward ``1 - TV``, over all blocks of
+    one sequence. Returns (loss, per-position accuracy).
 
-    ``labels`` and ``topk_ids`` are indices into the drafter's vocabulary (-1: not in it; such
-    positions count as wrong and are left out of the CE). ``topk_probs`` [N, B-1, k] are the
-    target's top-k probabilities; the TV term treats the target's mass outside them as unknown:
+    Labels outside the drafter's vocabulary count as wrong and are left out of the CE. The TV
+    term knows the target's top-k only and treats the rest of its mass as unknown:
     ``0.5 * (sum_topk |q - p| + (1 - sum_topk q))``.
     """
-    embeds = target.embed(blocks)
-    scale = drafter.args.input_embedding_scale
-    if scale != 1.0:
-        embeds = embeds * scale
-    hidden = drafter.train_hidden(embeds, features, anchors)[:, 1:]
-    logits = drafter.head(target, hidden).astype(mx.float32)
-    in_vocab = labels >= 0
+    logits, conf = drafter.train_logits(target, batch.features, batch.blocks, batch.anchors,
+                                        batch.prev)
+    logits = logits.astype(mx.float32)
+    labels, valid = batch.labels, batch.valid
     w = weights[None, :] * valid
+    total = w.sum()
     loss = 0.0
     if ce_weight:
         ce = nn.losses.cross_entropy(logits, mx.maximum(labels, 0), reduction="none")
-        wc = w * in_vocab
+        wc = w * (labels >= 0)
         loss = loss + ce_weight * (ce * wc).sum() / mx.maximum(wc.sum(), 1e-6)
-    if tv_weight:
+    if tv_weight or (conf_weight and conf is not None):
         q = mx.softmax(logits, axis=-1)
-        known = topk_ids >= 0
-        q_k = mx.take_along_axis(q, mx.maximum(topk_ids, 0), axis=-1) * known
-        tv = 0.5 * ((mx.abs(q_k - topk_probs * known)).sum(-1) + 1.0 - q_k.sum(-1))
-        loss = loss + tv_weight * (tv * w).sum() / mx.maximum(w.sum(), 1e-6)
+        known = batch.topk_ids >= 0
+        q_k = mx.take_along_axis(q, mx.maximum(batch.topk_ids, 0), axis=-1) * known
+        tv = 0.5 * (mx.abs(q_k - batch.topk_probs * known).sum(-1) + 1.0 - q_k.sum(-1))
+        if tv_weight:
+            loss = loss + tv_weight * (tv * w).sum() / mx.maximum(total, 1e-6)
+        if conf_weight and conf is not None:
+            soft = mx.stop_gradient(mx.clip(1.0 - tv, 0.0, 1.0))
+            bce = nn.losses.binary_cross_entropy(conf, soft, with_logits=True,
+                                                 reduction="none")
+            loss = loss + conf_weight * (bce * w).sum() / mx.maximum(total, 1e-6)
     correct = (mx.argmax(logits, axis=-1) == labels) * valid
     accuracy = correct.sum(axis=0) / mx.maximum(valid.sum(axis=0), 1)
     return loss, accuracy
