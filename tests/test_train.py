@@ -186,6 +186,7 @@ def test_dspark_trains_from_a_dflash_backbone(tmp_path):
     train(model, base, progress=False)
     config = TrainConfig(store_dir=str(tmp_path / "store"), out_dir=str(tmp_path / "dspark"),
                          family="dspark", block_size=3, num_layers=1, mask_token_id=2,
+                         val_fraction=0.4,
                          markov_rank=8, draft_vocab_size=40, ce_weight=0.1, tv_weight=1.8,
                          gamma=4.0, learning_rate=3e-3, epochs=8, grad_accum=2,
                          init_from=str(tmp_path / "dflash" / "checkpoint"))
@@ -196,8 +197,23 @@ def test_dspark_trains_from_a_dflash_backbone(tmp_path):
     assert np.mean([r["loss"] for r in log[-4:]]) < 0.8 * first
     drafter = load_drafter(tmp_path / "dspark" / "checkpoint", model=model)
     assert isinstance(drafter, DSparkDraftModel) and drafter.args.draft_vocab_size == 40
+    calibration = json.loads((tmp_path / "dspark" / "calibration.json").read_text())
+    assert drafter.args.confidence_temperatures == calibration["temperatures"]
+    assert len(calibration["ece_after"]) == 3
     assert "confidence_head" in drafter and mx.allclose(drafter.fc.weight, trained.fc.weight,
                                                         atol=1e-6)
+
+
+def test_sequential_temperature_scaling_calibrates_the_running_product():
+    from mlx_dflash.train.calibrate import sequential_temperatures
+
+    rng = np.random.default_rng(0)
+    true_logit = rng.normal(1.0, 2.0, size=(4000, 4))
+    survive = rng.random((4000, 4)) < 1 / (1 + np.exp(-true_logit))
+    accepted = np.cumprod(survive, axis=1).astype(float)
+    temps, before, after = sequential_temperatures(true_logit * 3.0, accepted)  # overconfident
+    assert all(a <= b + 1e-9 for a, b in zip(after, before))
+    assert after[0] < 0.5 * before[0] and 2.0 < temps[0] < 4.5
 
 
 def test_time_budget_sets_the_schedule_and_ends_the_run(tmp_path):

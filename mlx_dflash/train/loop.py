@@ -349,6 +349,14 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
     log.close()
     if state.get("step") != step:
         save_and_validate()
+    if "confidence_head" in drafter and len(val_idx) >= 4:
+        calibration = calibrate(drafter, target, batch_of, val_idx)
+        state["calibration"] = calibration
+        _save(out, drafter, optimizer, state, scale)  # the temperatures go into config.json
+        (out / "calibration.json").write_text(json.dumps(calibration, indent=2) + "\n")
+        print("confidence ECE by position before / after sequential temperature scaling: "
+              + ", ".join(f"{b:.3f}/{a:.3f}" for b, a in zip(calibration["ece_before"],
+                                                             calibration["ece_after"])))
     _fold_scale(drafter, scale)  # from here on the drafter reads raw target features
     drafter.eval()
     val = state.get("val")
@@ -356,6 +364,40 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
         print(f"held-out block accuracy by position: {[round(a, 3) for a in val['accuracy']]}")
         print(f"expected acceptance length (teacher-forced): {val['expected_tau']:.2f}")
     return drafter
+
+
+def calibrate(drafter, target: Target, batch_of: Batches, idx) -> dict:
+    """Fit the confidence head's per-position temperatures on one half of the held-out
+    sequences; report the running product's ECE before and after on the other half."""
+    from .calibrate import expected_calibration_error, sequential_temperatures
+
+    def collect(part):
+        gen, logits, accepted = np.random.default_rng(7), [], []
+        for i in part:
+            batch = batch_of(int(i), gen, num_anchors=32)
+            if batch is None:
+                continue
+            out, conf = drafter.train_logits(target, batch.features, batch.blocks,
+                                             batch.anchors, batch.prev)
+            correct = np.array(mx.argmax(out, axis=-1)) == np.array(batch.labels)
+            full = np.array(batch.valid).all(axis=1)
+            logits.append(np.array(conf)[full])
+            accepted.append(np.cumprod(correct[full], axis=1))
+        return np.concatenate(logits), np.concatenate(accepted).astype(np.float64)
+
+    fit_logits, fit_acc = collect(idx[::2])
+    test_logits, test_acc = collect(idx[1::2])
+    temps, _, _ = sequential_temperatures(fit_logits, fit_acc)
+    drafter.args.confidence_temperatures = temps
+
+    def ece(t):
+        running = np.cumprod(1 / (1 + np.exp(-test_logits / np.array(t))), axis=1)
+        return [expected_calibration_error(running[:, k], test_acc[:, k])
+                for k in range(running.shape[1])]
+
+    return {"temperatures": temps, "ece_before": ece([1.0] * len(temps)),
+            "ece_after": ece(temps), "fit_blocks": len(fit_logits),
+            "test_blocks": len(test_logits)}
 
 
 def validate(drafter, target: Target, batch_of: Batches, idx, config: TrainConfig) -> dict:
