@@ -99,9 +99,11 @@ def run_bench(
     max_tokens: int = 128,
     progress: bool = True,
     copy_drafts: bool = False,
+    auto: bool = True,
 ) -> dict:
-    """Per domain: plain decoding, then DFlash at each block size (and with copy drafts
-    when asked: variant "B+copy"), interleaved prompt by prompt."""
+    """Per domain: plain decoding, then the drafter at each fixed block size (and with copy
+    drafts when asked: variant "B+copy"), and the default settings (variant "auto": the
+    scheduler, copy drafts as the package default), interleaved prompt by prompt."""
     from tqdm import tqdm
 
     def chat(text: str) -> list[int]:
@@ -130,6 +132,8 @@ def run_bench(
     if copy_drafts:
         variants.update({f"{B}+copy": (B, {"block_size": B, "copy_drafts": True})
                          for B in block_sizes})
+    if auto:
+        variants["auto"] = (getattr(drafter, "max_drafts", drafter.block_size - 1) + 1, {})
     total = sum(len(p) for p in prompt_sets.values()) * (1 + len(variants))
     bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
     for domain, prompts in prompt_sets.items():
@@ -173,7 +177,7 @@ def run_bench(
                 "mean_acceptance_length": sum(s["acc"]) / max(len(s["acc"]), 1),
                 "acceptance_by_position": [h / t if t else None
                                            for h, t in zip(s["pos_hits"], s["pos_tries"])],
-                "verify_decode_ratio": cost[B]["ratio"],
+                "verify_decode_ratio": cost[B]["ratio"] if name != "auto" else None,
                 "outputs_differing_from_plain": s["mismatches"],
                 "copy_cycle_share": s["copy_cycles"] / max(len(s["acc"]), 1),
             }
@@ -192,8 +196,10 @@ def format_table(results: dict) -> str:
                      f"{e['plain']['tokens_per_s']:.1f} | 1.00x | 1.00 | 1.00 | - |")
         for B, s in e["speculative"].items():
             same = e["prompts"] - s["outputs_differing_from_plain"]
+            ratio = s.get("verify_decode_ratio")
             lines.append(
-                f"| {domain} | {e['prompts']} | DFlash B={B} | {s['tokens_per_s']:.1f} | "
-                f"{s['speedup']:.2f}x | {s['mean_acceptance_length']:.2f} | "
-                f"{s['verify_decode_ratio']:.2f} | {same}/{e['prompts']} |")
+                f"| {domain} | {e['prompts']} | {'auto' if B == 'auto' else f'B={B}'} | "
+                f"{s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | "
+                f"{s['mean_acceptance_length']:.2f} | "
+                f"{'-' if ratio is None else f'{ratio:.2f}'} | {same}/{e['prompts']} |")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .accept import SamplingParams, greedy_accept, rejection_accept, sample_first
 from .drafters import check_fits
 from .lookup import CopyIndex
+from .schedule import Scheduler, bytes_per_verified_token, cached_costs
 from .target import Target
 
 DEFAULT_PREFILL_STEP = 2048
@@ -179,6 +180,7 @@ def stream_generate(
     prompt_progress: Any = None,
     copy_drafts: bool = COPY_DRAFTS,
     copy_ngram: int = COPY_NGRAM,
+    schedule: bool = True,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate from ``prompt`` with speculative decoding; yields one response per cycle.
 
@@ -195,8 +197,10 @@ def stream_generate(
     target = as_target(model)
     if drafter is not None:
         check_fits(drafter, target)
+    auto = drafter is not None and block_size is None and schedule
     B = 1 if drafter is None else (
-        block_size or drafter.args.verify_block_size or drafter.block_size)
+        block_size or (drafter.block_size if auto else drafter.args.verify_block_size)
+        or drafter.block_size)
     if drafter is not None and hasattr(drafter, "max_drafts"):  # a fixed-width family
         B = min(B, drafter.max_drafts + 1)
     if B < 1:
@@ -232,6 +236,10 @@ def stream_generate(
         tic = time.perf_counter()
 
         copy_index = CopyIndex(tokens, copy_ngram) if copy_drafts and drafter else None
+        scheduler = None
+        if auto:
+            scheduler = Scheduler(cached_costs(target, drafter, B), B - 1,
+                                  bytes_per_verified_token(target))
 
         def draft_and_verify(anchor: mx.array, K: int, copied: list[int]):
             """Build (lazily) one cycle: K drafts after the anchor, one verify, acceptance."""
@@ -260,7 +268,8 @@ def stream_generate(
             else:
                 accepted_len, next_tokens = mx.array(0), sample_first(logits[0, -1], params)
             packed = mx.concatenate([accepted_len.astype(mx.uint32)[None], drafts, next_tokens])
-            return packed, next_tokens, features
+            confidence = getattr(drafter, "last_confidence", None) if K and not copied else None
+            return packed, next_tokens, features, confidence
 
         new_tokens = [first]
         accepted = 0
@@ -293,12 +302,17 @@ def stream_generate(
             if copied:
                 K = len(copied)
                 stats.copy_cycles += 1
-            packed, next_tokens, features = draft_and_verify(anchor, K, copied)
-            mx.async_eval(packed)
+            elif scheduler is not None:
+                K = scheduler.choose(K, len(tokens) + stats.generation_tokens)
+            packed, next_tokens, features, confidence = draft_and_verify(anchor, K, copied)
+            mx.async_eval(packed, *([confidence] if confidence is not None else []))
             yield GenerationResponse(detokenizer.last_segment, new_tokens, accepted, stats)
 
             values = packed.tolist()  # the one host sync of the cycle
             accepted = values[0]
+            if scheduler is not None and not copied:
+                scheduler.observe(K, accepted, None if confidence is None
+                                  else confidence.tolist())  # computed with packed
             new_tokens = values[1 : 1 + accepted] + [values[1 + K + accepted]]
             target.rollback(cache, K - accepted)
             if drafter is not None:

@@ -17,12 +17,15 @@ def test_bench_on_tiny_pair(tmp_path):
     assert list(sets) == ["chat"] and len(sets["chat"]) == 3
     model = make_target("qwen3", vocab_size=96)
     results = run_bench(model, make_drafter(model, block_size=4), make_tokenizer(96, eos_id=96),
-                        sets, [2, 4], max_tokens=12, progress=False)
+                        sets, [2, 4], max_tokens=12, progress=False, copy_drafts=True)
     entry = results["domains"]["chat"]
-    for B in ("2", "4"):
+    assert set(entry["speculative"]) == {"2", "4", "2+copy", "4+copy", "auto"}
+    for B in ("2", "4", "2+copy", "4+copy", "auto"):
         s = entry["speculative"][B]
         assert s["outputs_differing_from_plain"] == 0
         assert s["tokens"] == entry["plain"]["tokens"] == 36
-        assert 1.0 <= s["mean_acceptance_length"] <= int(B)
-        assert len(s["acceptance_by_position"]) == int(B) - 1
-    assert "DFlash B=4" in format_table(results)
+        width = 4 if B == "auto" else int(B[0])
+        assert 1.0 <= s["mean_acceptance_length"] <= width
+        assert len(s["acceptance_by_position"]) == width - 1
+    table = format_table(results)
+    assert "| B=4 |" in table and "| B=4+copy |" in table and "| auto |" in table

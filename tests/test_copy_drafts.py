@@ -51,6 +51,7 @@ def test_sampling_with_copy_drafts_follows_the_target():
     for _ in range(N_SAMPLES):
         out = []
         for r in stream_generate(model, drafter, tok, PROMPT, max_tokens=4, temperature=0.8,
+                                 block_size=4,
                                  copy_drafts=True, copy_ngram=1):
             out += r.tokens
         copies += r.stats.copy_cycles

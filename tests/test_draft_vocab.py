@@ -56,7 +56,8 @@ def test_sampling_with_a_subset_that_lacks_the_favourite_token():
     counts, counts4, accepted = np.zeros((V, V, V)), np.zeros(V), 0
     for _ in range(N_SAMPLES):
         out = []
-        for r in stream_generate(model, drafter, tok, PROMPT, max_tokens=4, temperature=1.0):
+        for r in stream_generate(model, drafter, tok, PROMPT, max_tokens=4, temperature=1.0,
+                                 block_size=4):
             out += r.tokens
             accepted += r.accepted
         counts[out[0], out[1], out[2]] += 1

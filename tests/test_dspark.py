@@ -73,6 +73,7 @@ def test_sampled_dspark_follows_the_target():
     for _ in range(N_SAMPLES):
         out = []
         for r in stream_generate(model, drafter, tok, PROMPT, max_tokens=4, temperature=1.0,
+                                 block_size=4,
                                  copy_drafts=False):
             out += r.tokens
             accepted += r.accepted

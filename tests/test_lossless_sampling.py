@@ -75,7 +75,7 @@ def test_sampled_distribution_matches_target(temperature, top_p, top_k):
     accepted_total = 0
     for _ in range(N_SAMPLES):
         out = []
-        for r in stream_generate(model, drafter, tok, PROMPT, max_tokens=4,
+        for r in stream_generate(model, drafter, tok, PROMPT, max_tokens=4, block_size=4,
                                  temperature=temperature, top_p=top_p, top_k=top_k):
             out += r.tokens
             accepted_total += r.accepted

@@ -26,6 +26,8 @@ def bench(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures here."),
     copy: bool = typer.Option(False, "--copy", help="Also run each block size with copy "
                               "drafts (variant 'B+copy')."),
+    auto: bool = typer.Option(True, "--auto/--no-auto", help="Also run the default settings "
+                              "(variant 'auto': scheduler + copy drafts)."),
 ) -> None:
     """Compare plain greedy decoding with DFlash at several block sizes (runs interleaved)."""
     from ..bench import format_table, load_prompt_sets, run_bench
@@ -42,7 +44,7 @@ def bench(
     if draft is None:
         fail("bench needs a drafter (--drafter)")
     results = run_bench(target, draft, tokenizer, sets, list(block_size), max_tokens,
-                        copy_drafts=copy)
+                        copy_drafts=copy, auto=auto)
     results["settings"]["drafter"] = str(getattr(draft, "source_path", drafter))
     results["settings"]["model"] = model or "default (SmolLM2-135M-Instruct, float32)"
     typer.echo(format_table(results))

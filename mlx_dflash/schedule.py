@@ -1,0 +1,191 @@
+"""The block scheduler: how many drafts to verify each cycle on this machine.
+
+Per cycle it picks the K that maximises expected tokens per second,
+``(1 + sum_(j<=K) a_j) / (T_draft + T_verify(1+K, context))``, where ``a_j`` is the chance that
+the first j drafts all survive (the drafter's calibrated confidences where it has them, else the
+recent acceptance rate by position) and the pass times are measured once per model and machine
+(cached on disk). K = 0 is plain decoding: when speculation does not pay it decodes plainly
+(the drafter's context stays current, it is fed by every verify) and probes again every
+``probe_every`` cycles. K is also capped by free memory, so a cycle never asks for more than
+there is. Decisions use only what earlier cycles measured, so output stays lossless.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+CONTEXTS = (128, 1024)  # verify cost is measured at these context lengths, interpolated
+
+
+@dataclass
+class PassCosts:
+    verify_s: dict[int, list[float]]  # context -> seconds of an n-token pass, index n-1
+    draft_s: float
+    contexts: tuple[int, ...] = CONTEXTS
+
+    def verify(self, n: int, context: int) -> float:
+        lo, hi = self.contexts[0], self.contexts[-1]
+        t = min(max((context - lo) / (hi - lo), 0.0), 1.5)  # mild extrapolation only
+        a, b = self.verify_s[lo][n - 1], self.verify_s[hi][n - 1]
+        return a + t * (b - a)
+
+
+def _best(fn: Any, reps: int) -> float:
+    fn()  # warm-up: compilation, allocation
+    times = []
+    for _ in range(reps):
+        tic = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - tic)
+    return min(times)
+
+
+def _costs_at(target: Any, drafter: Any, context: int, max_tokens: int, reps: int):
+    """(seconds of a target pass of n = 1..max_tokens tokens, of one drafter pass) over a
+    ``context``-token cache."""
+    layer_ids = drafter.target_layer_ids
+    cache = target.make_cache()
+    _, feats = target.hidden_states(mx.zeros((1, context), dtype=mx.uint32), cache, layer_ids)
+    draft_cache = drafter.make_cache()
+    drafter.commit(feats, draft_cache)
+    mx.eval([c.state for c in cache + draft_cache])
+
+    def target_pass(n: int) -> None:
+        mx.eval(target.forward(mx.ones((1, n), dtype=mx.uint32), cache, layer_ids))
+        target.rollback(cache, n)
+
+    def draft_pass() -> None:
+        anchor = mx.zeros((1,), dtype=mx.uint32)
+        width = max(max_tokens, drafter.block_size)
+        mx.eval(drafter.draft_logits(target, anchor, draft_cache, width, max_tokens - 1))
+
+    verify = [_best(lambda n=n: target_pass(n), reps) for n in range(1, max_tokens + 1)]
+    return verify, _best(draft_pass, reps)
+
+
+def measure_costs(target: Any, drafter: Any, max_tokens: int, reps: int = 3) -> PassCosts:
+    """Best-of-``reps`` time of a target pass of 1..max_tokens tokens at each context length,
+    and of one drafter pass."""
+    measured = {c: _costs_at(target, drafter, c, max_tokens, reps) for c in CONTEXTS}
+    return PassCosts({c: m[0] for c, m in measured.items()}, measured[CONTEXTS[0]][1])
+
+
+def _cache_file(target: Any, drafter: Any, max_tokens: int) -> Path:
+    from .default_target import cache_root
+    from .train.store import target_fingerprint
+
+    key = json.dumps([target_fingerprint(target), drafter.args.hidden_size,
+                      drafter.args.num_hidden_layers, drafter.args.draft_vocab_size,
+                      drafter.block_size, type(drafter).__name__, max_tokens, platform.node(),
+                      platform.machine(), mx.__version__, str(mx.default_device()),
+                      os.environ.get("MLX_DFLASH_FAST_BLAS", "1")], sort_keys=True)
+    name = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return cache_root() / "costs" / f"{name}.json"
+
+
+def cached_costs(target: Any, drafter: Any, max_tokens: int) -> PassCosts:
+    """The pass costs for this model pair and machine, measured on first use (a few seconds)."""
+    path = _cache_file(target, drafter, max_tokens)
+    try:
+        data = json.loads(path.read_text())
+        return PassCosts({int(k): v for k, v in data["verify_s"].items()}, data["draft_s"],
+                         tuple(data["contexts"]))
+    except (OSError, ValueError, KeyError):
+        pass
+    costs = measure_costs(target, drafter, max_tokens)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(costs)))
+    os.replace(tmp, path)
+    return costs
+
+
+def memory_headroom() -> int:
+    """Bytes the process may still allocate: Metal's recommended working set (or the memory
+    limit elsewhere) minus what MLX holds now."""
+    limit = 0
+    if mx.metal.is_available():
+        limit = int(mx.device_info().get("max_recommended_working_set_size", 0))
+    limit = limit or int(mx.get_memory_limit())
+    return limit - int(mx.get_active_memory())
+
+
+def bytes_per_verified_token(target: Any) -> int:
+    """Working memory one more verified token needs: its logits, its activations through a
+    layer, and its K/V in every layer (float32 upper bound)."""
+    args = target.model.args
+    heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    kv = 2 * target.num_layers * heads * head_dim
+    return 4 * (3 * target.vocab_size + 8 * getattr(args, "intermediate_size", 4 * args.hidden_size)
+                + kv)
+
+
+class Scheduler:
+    """Chooses K (drafts to verify) per cycle; ``observe`` feeds back what was accepted."""
+
+    def __init__(
+        self,
+        costs: PassCosts,
+        max_drafts: int,
+        token_bytes: int,
+        probe_every: int = 16,
+        reserve_bytes: int = 256 << 20,
+        headroom: Any = None,  # a function; default memory_headroom
+    ):
+        self.costs, self.max_drafts = costs, max_drafts
+        self.token_bytes, self.reserve_bytes = token_bytes, reserve_bytes
+        self.headroom = headroom
+        self.probe_every = probe_every
+        self.accept_rate = np.full(max_drafts, 0.5)  # P(draft j survives | drafts < j did)
+        self.confidence: np.ndarray | None = None  # the drafter's last calibrated survival
+        self.plain_cycles = 0
+
+    def survival(self) -> np.ndarray:
+        """a_j, j = 1..max_drafts: the chance that the first j drafts all survive."""
+        if self.confidence is not None and len(self.confidence) >= self.max_drafts:
+            return np.cumprod(self.confidence[: self.max_drafts])  # the last cycle's, stale
+        return np.cumprod(self.accept_rate)
+
+    def memory_cap(self) -> int:
+        """Most drafts the free memory allows (0: verify the anchor alone)."""
+        free = (self.headroom or memory_headroom)() - self.reserve_bytes
+        return int(max(0, min(self.max_drafts, free // self.token_bytes - 1)))
+
+    def choose(self, room: int, context: int) -> int:
+        limit = min(self.max_drafts, room, self.memory_cap())
+        if limit <= 0:
+            return 0
+        a = self.survival()
+        verify = self.costs.verify
+        best_k, best = 0, 1.0 / verify(1, context)  # plain decoding's tokens per second
+        for k in range(1, limit + 1):
+            rate = (1.0 + a[:k].sum()) / (self.costs.draft_s + verify(k + 1, context))
+            if rate > best:
+                best_k, best = k, rate
+        if best_k == 0:
+            self.plain_cycles += 1
+            if self.plain_cycles >= self.probe_every:  # look again: the text may have changed
+                self.plain_cycles = 0
+                return limit
+        else:
+            self.plain_cycles = 0
+        return best_k
+
+    def observe(self, drafted: int, accepted: int, confidence: Sequence[float] | None = None,
+                decay: float = 0.15) -> None:
+        """Update the per-position survival rates from one cycle (positions reached only)."""
+        for j in range(min(drafted, accepted + 1)):
+            self.accept_rate[j] += decay * (float(j < accepted) - self.accept_rate[j])
+        if confidence is not None:
+            self.confidence = np.asarray(confidence, dtype=np.float64)

@@ -1,0 +1,110 @@
+"""The block scheduler: its choices, and lossless output on every path it takes."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_lossless_greedy import OracleDrafter, reference
+from test_lossless_sampling import N_SAMPLES, PROMPT, V, chi_square, exact_joint
+from tiny import make_drafter, make_target, make_tokenizer
+
+import mlx_dflash.decode as decode
+from mlx_dflash import stream_generate
+from mlx_dflash.schedule import PassCosts, Scheduler, measure_costs
+
+# Verify grows mildly with the block; drafting costs a fifth of a decode.
+COSTS = PassCosts({c: [0.010 * (1 + 0.05 * n) for n in range(1, 17)] for c in (128, 1024)},
+                  draft_s=0.002)
+
+
+def test_choices_follow_acceptance_cost_and_memory():
+    s = Scheduler(COSTS, 7, token_bytes=1 << 20, headroom=lambda: 1 << 40, probe_every=3)
+    s.accept_rate[:] = 0.9
+    assert s.choose(7, 100) == 7  # drafts nearly always survive: verify them all
+    s.accept_rate[:] = 0.0
+    assert [s.choose(7, 100) for _ in range(3)] == [0, 0, 7]  # plain, plain, then a probe
+    s.accept_rate[:] = [0.9, 0.9, 0.1, 0.1, 0.1, 0.1, 0.1]
+    assert s.choose(7, 100) == 2  # only the first two are worth their verify cost
+    s.observe(2, 0)
+    assert s.accept_rate[0] < 0.9 and s.accept_rate[1] == 0.9  # position 2 never reached
+    s.accept_rate[:] = 0.9
+    s.headroom = lambda: (256 << 20) + 4 * (1 << 20)  # room for 4 more tokens: 3 drafts
+    assert s.choose(7, 100) == 3
+    s.headroom = lambda: 100
+    assert s.choose(7, 100) == 0  # no room at all: the anchor alone, never an error
+    s.confidence = np.array([0.99, 0.99, 0.05, 0.05, 0.05, 0.05, 0.05])
+    s.headroom = lambda: 1 << 40
+    assert s.choose(7, 100) == 2  # a drafter's calibrated confidence takes precedence
+
+
+def test_measured_costs_have_one_entry_per_block():
+    model = make_target("qwen3")
+    drafter = make_drafter(model, block_size=4)
+    from mlx_dflash.target import Target
+
+    costs = measure_costs(Target(model), drafter, 4, reps=1)
+    assert set(costs.verify_s) == {128, 1024} and len(costs.verify_s[128]) == 4
+    assert costs.draft_s > 0 and costs.verify(2, 500) > 0
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    """Auto mode with fixed costs and a settable memory headroom."""
+    room = {"bytes": 1 << 40}
+    monkeypatch.setattr(decode, "cached_costs", lambda *a: COSTS)
+    monkeypatch.setattr("mlx_dflash.schedule.memory_headroom", lambda: room["bytes"])
+    return room
+
+
+def run(model, drafter, prompt, n, eos_id=1, **kw):
+    tokens, last = [], None
+    tok = make_tokenizer(model.args.vocab_size, eos_id=eos_id)
+    for last in stream_generate(model, drafter, tok, prompt, max_tokens=n, copy_drafts=False,
+                                **kw):
+        tokens += last.tokens
+    return tokens, last.stats
+
+
+def test_greedy_auto_is_lossless_when_drafts_pay_and_when_they_do_not(forced):
+    model = make_target("qwen3", tied=False)
+    drafter = make_drafter(model, block_size=8)
+    prompt = [5, 6, 7, 8]
+    want, _ = reference(model, prompt, 60)
+    oracle = OracleDrafter(drafter, prompt + want + [0] * 16, 128, 0.05)
+    got, stats = run(model, oracle, prompt, 60)
+    assert got == want and max(stats.draft_lengths) >= 5  # good drafts: blocks grow
+    got, stats = run(model, drafter, prompt, 60)  # a random drafter: falls back, probes
+    assert got == want
+    assert 0 in stats.draft_lengths and max(stats.draft_lengths) > 0
+
+
+def test_low_memory_shrinks_the_block_and_the_run_completes(forced):
+    model = make_target("qwen3", tied=False)
+    drafter = make_drafter(model, block_size=8)
+    prompt = [5, 6, 7, 8]
+    want, _ = reference(model, prompt, 40)
+    oracle = OracleDrafter(drafter, prompt + want + [0] * 16, 128, 0.0)
+    from mlx_dflash.schedule import bytes_per_verified_token
+    from mlx_dflash.target import Target
+
+    per_token = bytes_per_verified_token(Target(model))
+    forced["bytes"] = (256 << 20) + 3 * per_token  # room for the anchor + 2 drafts
+    got, stats = run(model, oracle, prompt, 40)
+    assert got == want and max(stats.draft_lengths) == 2
+
+
+def test_sampled_output_is_exact_whatever_block_the_scheduler_picks(monkeypatch, forced):
+    rng = np.random.default_rng(3)
+    monkeypatch.setattr(Scheduler, "choose",
+                        lambda self, room, context: int(rng.integers(0, room + 1)))
+    model = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)
+    drafter = make_drafter(model, block_size=4, layer_ids=(0, 1), mask_token_id=2, seed=7)
+    joint, _ = exact_joint(model, decode.SamplingParams(1.0))
+    mx.random.seed(5)
+    counts, lengths = np.zeros((V, V, V)), set()
+    for _ in range(N_SAMPLES):
+        out, stats = run(model, drafter, PROMPT, 4, eos_id=V, temperature=1.0)
+        counts[out[0], out[1], out[2]] += 1
+        lengths.update(stats.draft_lengths)
+    stat, dof = chi_square(counts.ravel(), joint.ravel())
+    assert stat < dof + 5 * np.sqrt(2 * dof), f"joint chi2 {stat:.1f} with {dof} dof"
+    assert lengths == {0, 1, 2}  # every block the room allows, plain decoding included
