@@ -25,18 +25,22 @@ import mlx.core as mx
 import numpy as np
 
 CONTEXTS = (128, 1024)  # verify cost is measured at these context lengths, interpolated
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # ... and at these token counts
 
 
 @dataclass
 class PassCosts:
-    verify_s: dict[int, list[float]]  # context -> seconds of an n-token pass, index n-1
+    verify_s: dict[int, list[float]]  # context -> seconds of a pass of sizes[i] tokens
     draft_s: float
     contexts: tuple[int, ...] = CONTEXTS
+    sizes: tuple[int, ...] = SIZES
 
     def verify(self, n: int, context: int) -> float:
+        """Seconds of an n-token target pass at this context (linear interpolation)."""
         lo, hi = self.contexts[0], self.contexts[-1]
         t = min(max((context - lo) / (hi - lo), 0.0), 1.5)  # mild extrapolation only
-        a, b = self.verify_s[lo][n - 1], self.verify_s[hi][n - 1]
+        a = float(np.interp(n, self.sizes, self.verify_s[lo]))
+        b = float(np.interp(n, self.sizes, self.verify_s[hi]))
         return a + t * (b - a)
 
 
@@ -69,15 +73,20 @@ def _costs_at(target: Any, drafter: Any, context: int, max_tokens: int, reps: in
         width = max(max_tokens, drafter.block_size)
         mx.eval(drafter.draft_logits(target, anchor, draft_cache, width, max_tokens - 1))
 
-    verify = [_best(lambda n=n: target_pass(n), reps) for n in range(1, max_tokens + 1)]
+    verify = [_best(lambda n=n: target_pass(n), reps) for n in _sizes(max_tokens)]
     return verify, _best(draft_pass, reps)
 
 
-def measure_costs(target: Any, drafter: Any, max_tokens: int, reps: int = 3) -> PassCosts:
+def _sizes(max_tokens: int) -> tuple[int, ...]:
+    return tuple(n for n in SIZES if n < max_tokens) + (max_tokens,)
+
+
+def measure_costs(target: Any, drafter: Any, max_tokens: int, reps: int = 2) -> PassCosts:
     """Best-of-``reps`` time of a target pass of 1..max_tokens tokens at each context length,
     and of one drafter pass."""
     measured = {c: _costs_at(target, drafter, c, max_tokens, reps) for c in CONTEXTS}
-    return PassCosts({c: m[0] for c, m in measured.items()}, measured[CONTEXTS[0]][1])
+    return PassCosts({c: m[0] for c, m in measured.items()}, measured[CONTEXTS[0]][1],
+                     CONTEXTS, _sizes(max_tokens))
 
 
 def _cache_file(target: Any, drafter: Any, max_tokens: int) -> Path:
@@ -99,9 +108,13 @@ def cached_costs(target: Any, drafter: Any, max_tokens: int) -> PassCosts:
     try:
         data = json.loads(path.read_text())
         return PassCosts({int(k): v for k, v in data["verify_s"].items()}, data["draft_s"],
-                         tuple(data["contexts"]))
+                         tuple(data["contexts"]), tuple(data["sizes"]))
     except (OSError, ValueError, KeyError):
         pass
+    import sys
+
+    print("Timing target and drafter passes for the block scheduler (once per model pair "
+          "and machine) ...", file=sys.stderr, flush=True)
     costs = measure_costs(target, drafter, max_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -13,7 +13,7 @@ from mlx_dflash.schedule import PassCosts, Scheduler, measure_costs
 
 # Verify grows mildly with the block; drafting costs a fifth of a decode.
 COSTS = PassCosts({c: [0.010 * (1 + 0.05 * n) for n in range(1, 17)] for c in (128, 1024)},
-                  draft_s=0.002)
+                  draft_s=0.002, sizes=tuple(range(1, 17)))
 
 
 def test_choices_follow_acceptance_cost_and_memory():
@@ -42,7 +42,8 @@ def test_measured_costs_have_one_entry_per_block():
     from mlx_dflash.target import Target
 
     costs = measure_costs(Target(model), drafter, 4, reps=1)
-    assert set(costs.verify_s) == {128, 1024} and len(costs.verify_s[128]) == 4
+    assert set(costs.verify_s) == {128, 1024} and costs.sizes == (1, 2, 3, 4)
+    assert len(costs.verify_s[128]) == 4
     assert costs.draft_s > 0 and costs.verify(2, 500) > 0
 
 
