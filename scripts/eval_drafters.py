@@ -1,0 +1,149 @@
+"""Compare drafters, block sizes and copy-draft rules on the eval files by exact greedy
+simulation (default target, float32).
+
+    python scripts/eval_drafters.py DRAFTER[=LABEL] ... [--limit 16] [--max-tokens 96]
+           [--blocks 4 8] [--json OUT]
+
+For greedy decoding every committed token is the target's own, so once the target's plain
+output is known each cycle's outcome is too: at every possible anchor we score the drafter's
+block teacher-forced (one pass over the whole sequence; for DSpark the Markov walk sees the
+true previous tokens, which is what it sees whenever its prefix is accepted) and the copy
+block (CopyIndex over the history), then replay the decode loop. Cycle time comes from passes
+measured here: drafter pass + verify of 1+K tokens (copy cycles skip the drafter). The plain
+outputs are computed once and shared by every drafter. Estimated speedups leave out the
+loop's own overhead (a few ms a cycle), so the bench's measured figures run a little lower.
+"""
+
+import argparse
+import json
+
+import mlx_dflash  # noqa: F401  (fast BLAS first)
+import mlx.core as mx
+import numpy as np
+
+from mlx_dflash.bench import load_prompt_sets
+from mlx_dflash.cli.common import load_pair
+from mlx_dflash.decode import as_target, stream_generate
+from mlx_dflash.default import resolve_drafter
+from mlx_dflash.drafters import load_drafter
+from mlx_dflash.lookup import CopyIndex
+from mlx_dflash.schedule import measure_costs
+
+D = "../shared/datasets/"
+FILES = [D + "eval_code_humaneval.jsonl", D + "eval_math_gsm8k.jsonl",
+         D + "eval_chat_sharegpt.jsonl"]
+RULES = {"drafter": None, "drafter+copy n=2": 2, "drafter+copy n=3": 3}
+
+
+def prefix_match(proposal, truth) -> int:
+    n = 0
+    for p, t in zip(proposal, truth):
+        if p != t:
+            break
+        n += 1
+    return n
+
+
+def block_predictions(drafter, target, full: list[int], P: int) -> np.ndarray:
+    """Greedy drafts [anchors, max drafts] (target ids) for every anchor P..T-2."""
+    T = len(full)
+    _, feats = target.hidden_states(mx.array(full)[None], None, drafter.target_layer_ids)
+    n = getattr(drafter, "max_drafts", drafter.block_size - 1)
+    anchors = np.arange(P, T - 1)
+    padded = np.array(full + [0] * (n + 1))
+    blocks = np.full((len(anchors), drafter.block_size), drafter.mask_token_id)
+    blocks[:, 0] = padded[anchors]
+    prev = padded[anchors[:, None] + np.arange(n)[None]]  # the anchor, then true tokens
+    logits, _ = drafter.train_logits(target, feats, mx.array(blocks), mx.array(anchors),
+                                     mx.array(prev))
+    idx = mx.argmax(logits, axis=-1)
+    if drafter.vocab_ids is not None:
+        idx = drafter.vocab_ids[idx]
+    return np.array(idx)
+
+
+def simulate(full, P, drafts, K, ngram, t_draft, verify):
+    """(cycles, seconds, copy cycles) of one greedy decode from the first generated token."""
+    T = len(full)
+    index = CopyIndex(full[: P + 1], ngram or 3)
+    a, cycles, seconds, copies = P, 0, 0.0, 0
+    while a < T - 1:
+        room = min(K, T - 1 - a)
+        copied = index.lookup(room) if ngram else []
+        if copied:
+            acc = prefix_match(copied, full[a + 1:])
+            seconds += verify(1 + len(copied))
+            copies += 1
+        else:
+            acc = prefix_match(drafts[a - P][:room], full[a + 1:])
+            seconds += t_draft + verify(1 + room)
+        step = min(acc + 1, T - 1 - a)
+        index.extend(full[a + 1 : a + 1 + step])
+        a += step
+        cycles += 1
+    return cycles, seconds, copies
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("drafters", nargs="+")
+    ap.add_argument("--limit", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--blocks", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--files", nargs="+", default=FILES)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    model, _, tok = load_pair(None, None)
+    target = as_target(model)
+    drafters = {}
+    for spec in args.drafters:
+        path, _, label = spec.partition("=")
+        drafters[label or path] = load_drafter(resolve_drafter(path), model=model)
+    Bmax = max(args.blocks)
+    costs = {name: measure_costs(target, d, Bmax, reps=3) for name, d in drafters.items()}
+    some = next(iter(costs.values()))
+
+    def verify(n: int) -> float:
+        return some.verify(n, 256)
+
+    report = {"settings": vars(args), "decode_s": verify(1),
+              "draft_s": {k: c.draft_s for k, c in costs.items()}, "domains": {}}
+    for domain, texts in load_prompt_sets(args.files, args.limit).items():
+        seqs = []
+        for text in texts:
+            prompt = tok.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True)
+            ref = []
+            for r in stream_generate(model, None, tok, prompt, max_tokens=args.max_tokens):
+                ref += r.tokens
+            if len(ref) >= 2:
+                seqs.append((prompt + ref, len(prompt)))
+        rows = {}
+        for name, drafter in drafters.items():
+            preds = [block_predictions(drafter, target, full, P) for full, P in seqs]
+            for K in [b - 1 for b in args.blocks]:
+                if K > getattr(drafter, "max_drafts", K):
+                    continue
+                for rule, ngram in RULES.items():
+                    tokens = cycles = copies = 0
+                    seconds = 0.0
+                    for (full, P), drafts in zip(seqs, preds):
+                        c, s, k = simulate(full, P, drafts, K, ngram, costs[name].draft_s,
+                                           verify)
+                        tokens, cycles, seconds, copies = (tokens + len(full) - 1 - P,
+                                                           cycles + c, seconds + s, copies + k)
+                    key = f"{name} | B={K + 1} | {rule}"
+                    rows[key] = {"tau": tokens / cycles,
+                                 "est_speedup": verify(1) * tokens / seconds,
+                                 "copy_share": copies / cycles}
+                    print(f"{domain:7s} {key:45s} tau {tokens / cycles:5.2f}  est. speedup "
+                          f"{verify(1) * tokens / seconds:5.2f}x  copy {copies / cycles:5.1%}",
+                          flush=True)
+        report["domains"][domain] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
