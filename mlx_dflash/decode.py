@@ -165,6 +165,18 @@ def prefill(
     return target.lm_head(last)[0]
 
 
+def block_width(drafter: Any, block_size: int | None = None, schedule: bool = True) -> int:
+    """Most tokens one cycle verifies: ``block_size`` if given; else the drafter's block for the
+    scheduler to choose within, or its configured ``verify_block_size`` without one."""
+    if drafter is None:
+        return 1
+    B = block_size or (None if schedule else drafter.args.verify_block_size)
+    B = B or drafter.block_size
+    if hasattr(drafter, "max_drafts"):  # a fixed-width family (DSpark: g inputs, g drafts)
+        B = min(B, drafter.max_drafts + 1)
+    return B
+
+
 def stream_generate(
     model: Any,
     drafter: Any,
@@ -198,11 +210,7 @@ def stream_generate(
     if drafter is not None:
         check_fits(drafter, target)
     auto = drafter is not None and block_size is None and schedule
-    B = 1 if drafter is None else (
-        block_size or (drafter.block_size if auto else drafter.args.verify_block_size)
-        or drafter.block_size)
-    if drafter is not None and hasattr(drafter, "max_drafts"):  # a fixed-width family
-        B = min(B, drafter.max_drafts + 1)
+    B = block_width(drafter, block_size, schedule)
     if B < 1:
         raise ValueError(f"block_size must be >= 1, got {B}")
     if B == 1:

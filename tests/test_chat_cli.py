@@ -105,7 +105,7 @@ def test_chat_help_explains_the_estimate():
     text = " ".join(result.output.split())
     assert result.exit_code == 0
     for phrase in ("/reset", "/exit", "--system-prompt", "--block-size", "est. speedup",
-                   "mean acceptance length x t(1-token pass)"):
+                   "committed tokens x t(1-token pass)"):
         assert phrase in text, phrase
 
 

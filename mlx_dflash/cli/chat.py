@@ -14,11 +14,15 @@ from .common import PrefillProgress, load_pair
 COMMANDS = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 
 
-def estimate_speedup(mean_acceptance: float, costs: dict | None) -> float:
-    """Tokens per cycle x (cost of one plain decode step / cost of one draft + verify cycle)."""
-    if costs is None or mean_acceptance <= 0:
+def estimate_speedup(stats: Any, costs: Any, context: int) -> float:
+    """Plain decoding's modelled time for the committed tokens over that of the cycles run
+    (each: a drafter pass unless plain or copied, plus a verify of its 1+K tokens)."""
+    if costs is None or not stats.cycles:
         return 1.0
-    return mean_acceptance * costs["decode_s"] / (costs["verify_s"] + costs["draft_s"])
+    spent = sum(costs.verify(k + 1, context) for k in stats.draft_lengths)
+    drafted = sum(1 for k in stats.draft_lengths if k) - stats.copy_cycles
+    spent += costs.draft_s * max(drafted, 0)
+    return sum(stats.acceptance_lengths) * costs.verify(1, context) / spent
 
 
 def render_prompt(tokenizer: Any, messages: list[dict]) -> list[int]:
@@ -32,10 +36,11 @@ def render_prompt(tokenizer: Any, messages: list[dict]) -> list[int]:
 @app.command(
     epilog="Speedup estimate: at start-up the target's cost for one 1-token pass (plain "
     "decoding: one token per pass) and for one B-token verify pass, plus one drafter pass, are "
-    "timed once. A cycle commits on average 'mean acceptance length' tokens, so est. speedup = "
-    "mean acceptance length x t(1-token pass) / (t(B-token pass) + t(drafter pass)). It leaves "
-    "out per-token overheads (sampling, host sync) and is labelled 'est.'; measure the real "
-    "speedup with --drafter none for comparison."
+    "timed once (the block scheduler's cost model, cached per model pair and machine). est. "
+    "speedup = committed tokens x t(1-token pass) / sum over cycles of (t(drafter pass) + "
+    "t((1+K)-token pass)), K the drafts verified that cycle (no drafter pass for plain or copied "
+    "cycles). It leaves out per-token overheads (sampling, host sync) and is labelled 'est.'; "
+    "measure the real speedup with --drafter none for comparison."
 )
 def chat(
     model: Optional[str] = typer.Option(
@@ -65,24 +70,23 @@ def chat(
         fail("--top-p must be in (0, 1]")
     import mlx.core as mx
 
-    from ..decode import stream_generate
+    from ..decode import block_width, stream_generate
 
     tic = time.perf_counter()
     target, draft, tokenizer = load_pair(model, drafter)
     if not getattr(tokenizer, "has_chat_template", False):
         fail(f"the tokenizer of {model or 'the default model'} has no chat template; "
              "use `mlx-dflash generate --no-chat-template` for plain text completion")
-    B = 1 if draft is None else (
-        block_size or draft.args.verify_block_size or draft.block_size)
+    B = block_width(draft, block_size)
     costs = None
     if draft is not None and B > 1:
-        typer.echo("Timing target and drafter passes for the speedup estimate ...", err=True)
-        from ..bench import measure_pass_costs
+        from ..decode import as_target
+        from ..schedule import cached_costs
 
-        costs = measure_pass_costs(target, B, draft, context=64, reps=3)
-        typer.echo(f"  target 1-token pass {costs['decode_s'] * 1e3:.1f} ms, {B}-token pass "
-                   f"{costs['verify_s'] * 1e3:.1f} ms; drafter pass "
-                   f"{costs['draft_s'] * 1e3:.1f} ms", err=True)
+        costs = cached_costs(as_target(target), draft, B)
+        typer.echo(f"  target 1-token pass {costs.verify(1, 128) * 1e3:.1f} ms, {B}-token pass "
+                   f"{costs.verify(B, 128) * 1e3:.1f} ms; drafter pass "
+                   f"{costs.draft_s * 1e3:.1f} ms", err=True)
     typer.echo(f"Ready in {time.perf_counter() - tic:.1f} s. {COMMANDS}.", err=True)
     if seed is not None:
         mx.random.seed(seed)
@@ -135,7 +139,7 @@ def chat(
         messages.append({"role": "assistant", "content": "".join(reply)})
         if last is not None:
             s = last.stats
-            speedup = estimate_speedup(s.mean_acceptance_length, costs)
+            speedup = estimate_speedup(s, costs, len(prompt) + s.generation_tokens)
             typer.secho(
                 f"[{s.generation_tps:.1f} tok/s | mean acceptance length "
                 f"{s.mean_acceptance_length:.2f} (block {s.block_size}) | "
