@@ -1,9 +1,8 @@
 """Copy drafts (prompt lookup): the index, and lossless greedy and sampled output."""
 
-import mlx.core as mx
 import numpy as np
 from test_lossless_greedy import reference
-from test_lossless_sampling import N_SAMPLES, PROMPT, V, chi_square, exact_joint
+from test_lossless_sampling import N_SAMPLES, V, assert_follows, exact_joint, sample_runs
 from tiny import make_drafter, make_target, make_tokenizer
 
 from mlx_dflash import stream_generate
@@ -43,22 +42,8 @@ def test_greedy_with_copy_drafts_is_lossless():
 def test_sampling_with_copy_drafts_follows_the_target():
     model = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)
     drafter = make_drafter(model, block_size=4, layer_ids=(0, 1), mask_token_id=2, seed=7)
-    tok = make_tokenizer(V, eos_id=V)
-    params = SamplingParams(0.8, 1.0, 0)
-    joint, marginal4 = exact_joint(model, params)
-    mx.random.seed(7)
-    counts, counts4, copies = np.zeros((V, V, V)), np.zeros(V), 0
-    for _ in range(N_SAMPLES):
-        out = []
-        for r in stream_generate(model, drafter, tok, PROMPT, max_tokens=4, temperature=0.8,
-                                 block_size=4,
-                                 copy_drafts=True, copy_ngram=1):
-            out += r.tokens
-        copies += r.stats.copy_cycles
-        counts[out[0], out[1], out[2]] += 1
-        counts4[out[3]] += 1
-    stat, dof = chi_square(counts.ravel(), joint.ravel())
-    assert stat < dof + 5 * np.sqrt(2 * dof), f"joint chi2 {stat:.1f} with {dof} dof"
-    stat4, dof4 = chi_square(counts4, marginal4)
-    assert stat4 < dof4 + 5 * np.sqrt(2 * dof4)
+    joint, marginal4 = exact_joint(model, SamplingParams(0.8, 1.0, 0))
+    counts, counts4, _, copies = sample_runs(model, drafter, 7, temperature=0.8, block_size=4,
+                                             copy_drafts=True, copy_ngram=1)
+    assert_follows(counts, counts4, joint, marginal4)
     assert copies > N_SAMPLES // 2  # most runs verified at least one copied block

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from test_lossless_greedy import reference
-from test_lossless_sampling import N_SAMPLES, PROMPT, V, chi_square, exact_joint
+from test_lossless_sampling import V, assert_follows, exact_joint, sample_runs
 from tiny import make_drafter, make_target, make_tokenizer
 
 from mlx_dflash import load_drafter, save_drafter, stream_generate
@@ -65,24 +65,10 @@ def test_greedy_dspark_is_lossless_and_walk_matches_training(kind, reduced):
 def test_sampled_dspark_follows_the_target():
     model = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)
     drafter = make_dspark(model, "vanilla", layer_ids=(0, 1), block_size=3, seed=7)
-    tok = make_tokenizer(V, eos_id=V)
-    params = SamplingParams(1.0, 1.0, 0)
-    joint, marginal4 = exact_joint(model, params)
-    mx.random.seed(11)
-    counts, counts4, accepted = np.zeros((V, V, V)), np.zeros(V), 0
-    for _ in range(N_SAMPLES):
-        out = []
-        for r in stream_generate(model, drafter, tok, PROMPT, max_tokens=4, temperature=1.0,
-                                 block_size=4,
-                                 copy_drafts=False):
-            out += r.tokens
-            accepted += r.accepted
-        counts[out[0], out[1], out[2]] += 1
-        counts4[out[3]] += 1
-    stat, dof = chi_square(counts.ravel(), joint.ravel())
-    assert stat < dof + 5 * np.sqrt(2 * dof), f"joint chi2 {stat:.1f} with {dof} dof"
-    stat4, dof4 = chi_square(counts4, marginal4)
-    assert stat4 < dof4 + 5 * np.sqrt(2 * dof4)
+    joint, marginal4 = exact_joint(model, SamplingParams(1.0, 1.0, 0))
+    counts, counts4, accepted, _ = sample_runs(model, drafter, 11, temperature=1.0,
+                                               block_size=4, copy_drafts=False)
+    assert_follows(counts, counts4, joint, marginal4)
     assert accepted > 0
 
 

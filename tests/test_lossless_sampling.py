@@ -59,34 +59,43 @@ def chi_square(counts, probs):
     return stat, len(cells) - 1
 
 
+def sample_runs(model, drafter, seed, **kw):
+    """N_SAMPLES speculative runs of 4 tokens after PROMPT: counts of the first three tokens
+    [V, V, V], counts of the fourth [V], drafts accepted and copy cycles in all."""
+    tok = make_tokenizer(V, eos_id=V)  # the stop token is outside the model's vocabulary
+    mx.random.seed(seed)
+    counts, counts4, accepted, copies = np.zeros((V, V, V)), np.zeros(V), 0, 0
+    for _ in range(N_SAMPLES):
+        out = []
+        for r in stream_generate(model, drafter, tok, PROMPT, max_tokens=4, **kw):
+            out += r.tokens
+            accepted += r.accepted
+        copies += r.stats.copy_cycles
+        counts[out[0], out[1], out[2]] += 1
+        counts4[out[3]] += 1
+    return counts, counts4, accepted, copies
+
+
+def assert_follows(counts, counts4, joint, marginal4):
+    """Chi-square of the sampled joint (first three tokens) and fourth-token marginal."""
+    stat, dof = chi_square(counts.ravel(), joint.ravel())
+    assert stat < dof + 5 * np.sqrt(2 * dof), f"joint chi2 {stat:.1f} with {dof} dof"
+    stat4, dof4 = chi_square(counts4, marginal4)
+    assert stat4 < dof4 + 5 * np.sqrt(2 * dof4), f"4th-token chi2 {stat4:.1f} with {dof4} dof"
+
+
 @pytest.mark.parametrize(
     "temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.8, 0), (1.3, 1.0, 3)]
 )
 def test_sampled_distribution_matches_target(temperature, top_p, top_k):
     model = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)
     drafter = make_drafter(model, block_size=4, layer_ids=(0, 1), mask_token_id=2, seed=7)
-    tok = make_tokenizer(V, eos_id=V)  # the stop token is outside the model's vocabulary
     params = SamplingParams(temperature, top_p, top_k)
     joint, marginal4 = exact_joint(model, params)
-
-    mx.random.seed(1234)
-    counts = np.zeros((V, V, V))
-    counts4 = np.zeros(V)
-    accepted_total = 0
-    for _ in range(N_SAMPLES):
-        out = []
-        for r in stream_generate(model, drafter, tok, PROMPT, max_tokens=4, block_size=4,
-                                 temperature=temperature, top_p=top_p, top_k=top_k):
-            out += r.tokens
-            accepted_total += r.accepted
-        counts[out[0], out[1], out[2]] += 1
-        counts4[out[3]] += 1
-
-    stat, dof = chi_square(counts.ravel(), joint.ravel())
-    assert stat < dof + 5 * np.sqrt(2 * dof), f"joint chi2 {stat:.1f} with {dof} dof"
-    stat4, dof4 = chi_square(counts4, marginal4)
-    assert stat4 < dof4 + 5 * np.sqrt(2 * dof4), f"4th-token chi2 {stat4:.1f} with {dof4} dof"
-    assert accepted_total > 0  # the rejection path and the acceptance path both ran
+    counts, counts4, accepted, _ = sample_runs(
+        model, drafter, 1234, block_size=4, temperature=temperature, top_p=top_p, top_k=top_k)
+    assert_follows(counts, counts4, joint, marginal4)
+    assert accepted > 0  # the rejection path and the acceptance path both ran
 
     # Power: the drafter's own first-draft distribution is far from the target's.
     from mlx_dflash.target import Target

@@ -69,6 +69,13 @@ class DFlashDraftModel(nn.Module):
     def make_cache(self) -> list[Any]:
         return make_context_cache(len(self.layers))
 
+    def embed_block(self, target: Any, tokens: mx.array) -> mx.array:
+        """Block token ids -> inputs, through the target's embedding."""
+        embeds = target.embed(tokens)
+        if self.args.input_embedding_scale != 1.0:
+            embeds = embeds * self.args.input_embedding_scale
+        return embeds
+
     def fuse(self, features: mx.array) -> mx.array:
         """Concatenated tap-layer features [.., T, taps*D] -> context hidden [.., T, D]."""
         return self.hidden_norm(self.fc(features))
@@ -113,9 +120,7 @@ class DFlashDraftModel(nn.Module):
         K = block_size - 1 if num_drafts is None else num_drafts
         mask_ids = mx.full((block_size - 1,), self.args.mask_token_id, dtype=anchor.dtype)
         block = mx.concatenate([anchor, mask_ids])[None]
-        embeds = target.embed(block)
-        if self.args.input_embedding_scale != 1.0:
-            embeds = embeds * self.args.input_embedding_scale
+        embeds = self.embed_block(target, block)
         hidden = self(embeds, cache)[0, 1 : 1 + K]
         return self.head(target, hidden)
 
@@ -137,9 +142,7 @@ class DFlashDraftModel(nn.Module):
         prev: mx.array,
     ) -> tuple[mx.array, None]:
         """Draft logits [N, B-1, V'] of training blocks (slot k+1 predicts token anchor+k+1)."""
-        embeds = target.embed(blocks)
-        if self.args.input_embedding_scale != 1.0:
-            embeds = embeds * self.args.input_embedding_scale
+        embeds = self.embed_block(target, blocks)
         return self.head(target, self.train_hidden(embeds, features, anchors)[:, 1:]), None
 
     def train_hidden(

@@ -141,9 +141,7 @@ class DSparkDraftModel(DFlashDraftModel):
         """(draft logits [N, g, V'], confidence logits [N, g]) of training blocks; slot k is
         labelled with token anchor+k+1 and ``prev`` [N, g] holds the true token before it
         (teacher forcing: the anchor, then the labels)."""
-        embeds = target.embed(blocks)
-        if self.args.input_embedding_scale != 1.0:
-            embeds = embeds * self.args.input_embedding_scale
+        embeds = self.embed_block(target, blocks)
         hidden = self.train_hidden(embeds, features, anchors)
         return self.block_logits(target, hidden, self.prev_index(prev))
 
@@ -159,9 +157,7 @@ class DSparkDraftModel(DFlashDraftModel):
         """K <= g drafts by the Markov walk from the anchor (lazy: no host sync)."""
         g, K = self.block_size, num_drafts
         mask_ids = mx.full((g - 1,), self.args.mask_token_id, dtype=anchor.dtype)
-        embeds = target.embed(mx.concatenate([anchor, mask_ids])[None])
-        if self.args.input_embedding_scale != 1.0:
-            embeds = embeds * self.args.input_embedding_scale
+        embeds = self.embed_block(target, mx.concatenate([anchor, mask_ids])[None])
         hidden = self(embeds, cache)[0, :K]
         unary = self.head(target, hidden)  # [K, V']
         prev, state = self.prev_index(anchor)[0], None
