@@ -70,7 +70,7 @@ def test_quantized_drafter_is_lossless(tmp_path, pair, bits):
     out = convert_drafter(src, tmp_path / "q", bits=bits, group_size=32)
     config = json.loads((out / "config.json").read_text())
     assert config["quantization"] == {"group_size": 32, "bits": bits, "mode": "affine"}
-    q = mlx_dflash.load_drafter(out, model=model)
+    q = mlx_dflash.load_drafter(out, model=model, dequantize=False)
     assert isinstance(q.fc, nn.QuantizedLinear) and q.fc.bits == bits
     assert isinstance(q.layers[1].mlp.down_proj, nn.QuantizedLinear)
     assert q.norm.weight.dtype == mx.float32 and q.fc.scales.dtype == mx.float32
@@ -82,6 +82,10 @@ def test_quantized_drafter_is_lossless(tmp_path, pair, bits):
     tokenizer = make_tokenizer(96)
     ours = mlx_dflash.generate(model, q, tokenizer, PROMPT, max_tokens=24)
     assert ours == lm_generate(model, tokenizer, PROMPT, max_tokens=24)
+    # Without a Metal GPU it is dequantized at load by default (float32 BLAS is faster).
+    d = mlx_dflash.load_drafter(out, model=model, dequantize=True)
+    assert isinstance(d.fc, nn.Linear) and mx.allclose(d.fc.weight, w, atol=1e-6)
+    assert mlx_dflash.generate(model, d, tokenizer, PROMPT, max_tokens=24) == ours
 
 
 def test_interrupted_conversion_leaves_nothing(tmp_path, pair, monkeypatch):

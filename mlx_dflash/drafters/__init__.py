@@ -50,12 +50,17 @@ def resolve_path(path_or_hf_repo: str | Path) -> Path:
 
 
 def load_drafter(
-    path_or_hf_repo: str | Path, model: Any = None, dtype: mx.Dtype | None = None
+    path_or_hf_repo: str | Path,
+    model: Any = None,
+    dtype: mx.Dtype | None = None,
+    dequantize: bool | None = None,
 ) -> DFlashDraftModel:
     """Load a drafter checkpoint (z-lab layout); with ``model`` (the target), check it fits.
 
     ``dtype`` defaults to the target's compute dtype (a bfloat16 checkpoint next to a float32
-    target runs in float32: on CPUs only float32 matmuls are fast)."""
+    target runs in float32: on CPUs only float32 matmuls are fast). A quantized checkpoint is
+    dequantized when ``dequantize`` says so, by default where there is no Metal GPU (MLX's
+    CPU quantized matmuls run several times slower than float32 through a fast BLAS)."""
     path = resolve_path(path_or_hf_repo)
     config_file = path / "config.json"
     if not config_file.exists():
@@ -103,6 +108,10 @@ def load_drafter(
         raise ValueError(f"drafter checkpoint {path} has unexpected weights: "
                          f"{', '.join(unexpected[:8])}")
     drafter.load_weights(list(weights.items()))
+    if quant and (not mx.metal.is_available() if dequantize is None else dequantize):
+        from mlx_lm.utils import dequantize_model
+
+        dequantize_model(drafter)
     if dtype is None and model is not None:
         from ..target import Target
 
