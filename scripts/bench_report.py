@@ -17,20 +17,21 @@ def markdown(results: dict) -> str:
         f"Machine: {m['platform']} ({m.get('processor') or 'cpu'}), MLX {m['mlx']} on "
         f"{m['device']}, BLAS `{m.get('blas', '?')}`.",
         f"Settings: target {s.get('model')}, drafter `{s.get('drafter')}`, dtype {s['dtype']}, "
-        f"greedy, max_tokens {s['max_tokens']}, block sizes {s['block_sizes']}; per prompt the "
-        "plain run and each block size run back to back (interleaved).",
+        f"greedy, max_tokens {s['max_tokens']}, block sizes {s['block_sizes']} (no copy drafts)"
+        " and `auto` (the default settings: block scheduler + copy drafts); per prompt the "
+        "plain run and each variant run back to back (interleaved).",
         "",
         format_table(results),
     ]
     out += ["", "Acceptance rate by block position (fraction of cycles whose draft at position k "
             "was accepted, among cycles that drafted position k):", ""]
-    blocks = [str(b) for b in s["block_sizes"]]
-    widest = max(blocks, key=int)
-    n = int(widest) - 1
+    variants = list(next(iter(results["domains"].values()))["speculative"])
+    n = max(len(e["speculative"][v]["acceptance_by_position"])
+            for e in results["domains"].values() for v in variants)
     out.append("| domain | B | " + " | ".join(str(k) for k in range(1, n + 1)) + " |")
     out.append("|---|---|" + "---:|" * n)
     for domain, e in results["domains"].items():
-        for B in blocks:
+        for B in variants:
             rates = e["speculative"][B]["acceptance_by_position"]
             cells = [f"{r:.2f}" if r is not None else "" for r in rates]
             cells += [""] * (n - len(cells))
