@@ -4,7 +4,7 @@
 
 Reads each run's val_log.jsonl (written at every checkpoint): the teacher-forced expected
 acceptance length on held-out store sequences (greedy prefix of a 16-token block, +1) against
-training hours (single-thread training time; checkpoint/validation time left out).
+training hours (wall-clock time of the training steps; checkpoint and validation time left out).
 """
 
 import argparse
@@ -32,8 +32,8 @@ def main() -> None:
         print(f"{label or path}: " + ", ".join(f"{h:.2f} h -> tau {r['expected_tau']:.3f}"
                                                for h, r in zip(hours, rows)))
     ax1.set(title="Held-out expected acceptance length (teacher-forced)",
-            xlabel="training hours (1 thread)", ylabel="tau")
-    ax2.set(title="Held-out position-1 accuracy", xlabel="training hours (1 thread)",
+            xlabel="training hours (wall clock of the run)", ylabel="tau")
+    ax2.set(title="Held-out position-1 accuracy", xlabel="training hours (wall clock of the run)",
             ylabel="accuracy")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
