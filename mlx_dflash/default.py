@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-DEFAULT_DRAFTER = "smollm2-135m-dflash-b16"
+DEFAULT_DRAFTER = "smollm2-135m-dspark-b7"
 
 
 def drafter_dir(name: str = DEFAULT_DRAFTER) -> Path:
