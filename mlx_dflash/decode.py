@@ -232,6 +232,10 @@ def stream_generate(
         return
 
     with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream):
+        scheduler = None
+        if auto:  # before any clock starts: the first use times the passes (then cached)
+            scheduler = Scheduler(cached_costs(target, drafter, B), B - 1,
+                                  bytes_per_verified_token(target))
         cache = target.make_cache()
         draft_cache = drafter.make_cache() if drafter is not None else None
         tic = time.perf_counter()
@@ -244,10 +248,6 @@ def stream_generate(
         tic = time.perf_counter()
 
         copy_index = CopyIndex(tokens, copy_ngram) if copy_drafts and drafter else None
-        scheduler = None
-        if auto:
-            scheduler = Scheduler(cached_costs(target, drafter, B), B - 1,
-                                  bytes_per_verified_token(target))
 
         def draft_and_verify(anchor: mx.array, K: int, copied: list[int]):
             """Build (lazily) one cycle: K drafts after the anchor, one verify, acceptance."""
