@@ -53,14 +53,10 @@ def measure_pass_costs(
         anchor = mx.zeros((1,), dtype=mx.uint32)
         mx.eval(drafter.draft_logits(target, anchor, draft_cache, width, block_size - 1))
 
+    from .schedule import best_time
+
     def timed(fn: Any) -> float:
-        fn()  # warm-up: compilation, allocation
-        best = float("inf")
-        for _ in range(reps):
-            tic = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - tic)
-        return best
+        return best_time(fn, reps)
 
     one, block = timed(lambda: target_pass(1)), timed(lambda: target_pass(block_size))
     costs = {"decode_s": one, "verify_s": block, "ratio": block / one}

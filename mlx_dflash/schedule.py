@@ -44,7 +44,8 @@ class PassCosts:
         return a + t * (b - a)
 
 
-def _best(fn: Any, reps: int) -> float:
+def best_time(fn: Any, reps: int) -> float:
+    """Best-of-``reps`` seconds of ``fn()`` after one warm-up call."""
     fn()  # warm-up: compilation, allocation
     times = []
     for _ in range(reps):
@@ -73,8 +74,8 @@ def _costs_at(target: Any, drafter: Any, context: int, max_tokens: int, reps: in
         width = max(max_tokens, drafter.block_size)
         mx.eval(drafter.draft_logits(target, anchor, draft_cache, width, max_tokens - 1))
 
-    verify = [_best(lambda n=n: target_pass(n), reps) for n in _sizes(max_tokens)]
-    return verify, _best(draft_pass, reps)
+    verify = [best_time(lambda n=n: target_pass(n), reps) for n in _sizes(max_tokens)]
+    return verify, best_time(draft_pass, reps)
 
 
 def _sizes(max_tokens: int) -> tuple[int, ...]:

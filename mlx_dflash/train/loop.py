@@ -200,11 +200,7 @@ class Batches:
 
 def _choose_vocab(store, train_idx, val_idx, target, size: int, out: Path) -> mx.array:
     """The draft vocabulary from the training responses; coverage reported and saved."""
-    def responses(idx):
-        parts = [store[int(i)].tokens[store[int(i)].prompt_len:] for i in idx]
-        return np.concatenate(parts) if parts else np.zeros(0, np.int32)
-
-    response, held_out = responses(train_idx), responses(val_idx)
+    response, held_out = store.response_tokens(train_idx), store.response_tokens(val_idx)
     ids, coverage = choose_draft_vocab(response, target.vocab_size, size)
     held_cov = float(np.isin(held_out, ids).mean()) if len(held_out) else None
     print(f"draft vocabulary: {len(ids)} tokens cover {coverage:.2%} of {len(response)} "

@@ -135,8 +135,10 @@ class FeatureStore:
         """(prompt_len, length) of every sequence, without touching the arrays."""
         return [(row["prompt_len"], row["length"]) for _, row in self._rows]
 
-    def response_tokens(self) -> np.ndarray:
-        parts = [self[i].tokens[self[i].prompt_len:] for i in range(len(self))]
+    def response_tokens(self, idx: Sequence[int] | None = None) -> np.ndarray:
+        """The response tokens of the sequences ``idx`` (all by default), concatenated."""
+        seqs = (self[int(i)] for i in (range(len(self)) if idx is None else idx))
+        parts = [s.tokens[s.prompt_len:] for s in seqs]
         return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
 
 
