@@ -10,6 +10,7 @@ import inspect
 import json
 import os
 import random
+from typing import Any
 from pathlib import Path
 
 
@@ -51,6 +52,23 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
     return rows
 
 
+def _add_code_prompt(rows: list[dict], seen: set, module: str, qualname: str, fn: Any,
+                     head: str) -> None:
+    doc = inspect.getdoc(fn)
+    if not doc or len(doc) < 40 or (module, qualname) in seen:
+        return
+    try:
+        sig = str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return
+    seen.add((module, qualname))
+    indent = head.rsplit("\n", 1)[1]
+    body = f"\n{indent}".join(doc.strip().splitlines()[:12])
+    head = head.replace("{attr}", qualname).replace("{sig}", sig)
+    rows.append({"id": f"stdlib:{module}.{qualname}",
+                 "prompt": f'{head}"""{body}\n{indent}"""\n'})
+
+
 def stdlib_code_prompts(limit: int | None = None, seed: int = 0) -> list[dict]:
     """HumanEval-shaped prompts (signature + docstring) from the standard library's functions."""
     import importlib
@@ -71,19 +89,15 @@ def stdlib_code_prompts(limit: int | None = None, seed: int = 0) -> list[dict]:
                 module = importlib.import_module(name)
         except Exception:
             continue
-        for attr, fn in sorted(vars(module).items()):
-            if attr.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != name:
+        for attr, obj in sorted(vars(module).items()):
+            if attr.startswith("_") or getattr(obj, "__module__", None) != name:
                 continue
-            doc = inspect.getdoc(fn)
-            if not doc or len(doc) < 40 or (name, attr) in seen:
-                continue
-            try:
-                sig = str(inspect.signature(fn))
-            except (TypeError, ValueError):
-                continue
-            seen.add((name, attr))
-            body = "\n    ".join(doc.strip().splitlines()[:12])
-            rows.append({"id": f"stdlib:{name}.{attr}",
-                         "prompt": f'def {attr}{sig}:\n    """{body}\n    """\n'})
+            if inspect.isfunction(obj):
+                _add_code_prompt(rows, seen, name, attr, obj, "def {attr}{sig}:\n    ")
+            elif inspect.isclass(obj):  # methods: most of the library's code lives in classes
+                for meth, fn in sorted(vars(obj).items()):
+                    if not meth.startswith("_") and inspect.isfunction(fn):
+                        _add_code_prompt(rows, seen, name, f"{attr}.{meth}", fn,
+                                         f"class {attr}:\n    def {meth}{{sig}}:\n        ")
     random.Random(seed).shuffle(rows)
     return rows[:limit] if limit else rows
