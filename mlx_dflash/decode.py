@@ -248,6 +248,7 @@ def stream_generate(
         tic = time.perf_counter()
 
         copy_index = CopyIndex(tokens, copy_ngram) if copy_drafts and drafter else None
+        backlog: list[mx.array] = []  # committed target features the drafter has not read
 
         def draft_and_verify(anchor: mx.array, K: int, copied: list[int]):
             """Build (lazily) one cycle: K drafts after the anchor, one verify, acceptance."""
@@ -259,6 +260,9 @@ def stream_generate(
                         mx.zeros((K, target.vocab_size)), drafts[:, None].astype(mx.int32),
                         mx.array(1.0), axis=-1)
             elif K > 0:
+                if backlog:  # read only when drafting: plain cycles cost the drafter nothing
+                    drafter.commit(mx.concatenate(backlog, axis=1), draft_cache)
+                    backlog.clear()
                 # A drafter trained on blocks of size b always drafts with b inputs (its
                 # attention over the MASK positions is bidirectional); we verify the first K.
                 draft_block = max(B, drafter.block_size)
@@ -279,8 +283,21 @@ def stream_generate(
             confidence = getattr(drafter, "last_confidence", None) if K and not copied else None
             return packed, next_tokens, features, confidence
 
+        def start_cycle(anchor: mx.array, generated: int, may_copy: bool = True):
+            """Choose what to verify after ``anchor`` (a copied block, K drafts, or nothing)
+            with ``generated`` tokens committed, and build the cycle."""
+            K = min(B - 1, max_tokens - generated - 1)  # never draft past max_tokens
+            copied = copy_index.lookup(K) if copy_index is not None and may_copy else []
+            if copied:
+                K = len(copied)
+                stats.copy_cycles += 1
+            elif scheduler is not None:
+                K = scheduler.choose(K, len(tokens) + generated)
+            return K, copied, draft_and_verify(anchor, K, copied)
+
         new_tokens = [first]
         accepted = 0
+        pending = None  # the next cycle, already started (after a plain cycle)
         while True:
             # Commit this cycle's tokens up to a stop token or max_tokens.
             reason = None
@@ -304,16 +321,20 @@ def stream_generate(
                 return
 
             # Start the next cycle before handing these tokens to the caller, so its compute
-            # overlaps whatever the caller does with them. Never draft past max_tokens.
-            K = min(B - 1, max_tokens - stats.generation_tokens - 1)
-            copied = copy_index.lookup(K) if copy_index is not None else []
-            if copied:
-                K = len(copied)
-                stats.copy_cycles += 1
-            elif scheduler is not None:
-                K = scheduler.choose(K, len(tokens) + stats.generation_tokens)
-            packed, next_tokens, features, confidence = draft_and_verify(anchor, K, copied)
+            # overlaps whatever the caller does with them.
+            K, copied, cycle = pending or start_cycle(anchor, stats.generation_tokens)
+            packed, next_tokens, features, confidence = cycle
             mx.async_eval(packed, *([confidence] if confidence is not None else []))
+            pending = None
+            if K == 0 and stats.generation_tokens + 1 < max_tokens and not (
+                    copy_index is not None and copy_index.lookup(1)):
+                # A plain cycle commits exactly one token, known lazily: start the next cycle
+                # from it now (as mlx-lm does). Copy lookups wait for a synced cycle; here
+                # one is skipped only when the stale suffix found nothing either.
+                if drafter is not None:
+                    backlog.append(features)  # its one position, read before the next draft
+                pending = start_cycle(next_tokens[:1], stats.generation_tokens + 1, False)
+                mx.async_eval(pending[2][0])
             yield GenerationResponse(detokenizer.last_segment, new_tokens, accepted, stats)
 
             values = packed.tolist()  # the one host sync of the cycle
@@ -323,8 +344,8 @@ def stream_generate(
                                   else confidence.tolist())  # computed with packed
             new_tokens = values[1 : 1 + accepted] + [values[1 + K + accepted]]
             target.rollback(cache, K - accepted)
-            if drafter is not None:
-                drafter.commit(features[:, : accepted + 1], draft_cache)
+            if drafter is not None and pending is None:
+                backlog.append(features[:, : accepted + 1])
             anchor = next_tokens[accepted : accepted + 1]
             stats.acceptance_lengths.append(accepted + 1)
             stats.draft_lengths.append(K)

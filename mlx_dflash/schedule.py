@@ -160,10 +160,12 @@ class Scheduler:
         self.costs, self.max_drafts = costs, max_drafts
         self.token_bytes, self.reserve_bytes = token_bytes, reserve_bytes
         self.headroom = headroom
-        self.probe_every = probe_every
+        self.probe_every, self.probe_gap = probe_every, probe_every
         self.accept_rate = np.full(max_drafts, 0.5)  # P(draft j survives | drafts < j did)
+        self.seen = np.zeros(max_drafts)  # cycles that reached position j
         self.confidence: np.ndarray | None = None  # the drafter's last calibrated survival
         self.plain_cycles = 0
+        self.probing = False
 
     def survival(self) -> np.ndarray:
         """a_j, j = 1..max_drafts: the chance that the first j drafts all survive."""
@@ -187,10 +189,11 @@ class Scheduler:
             rate = (1.0 + a[:k].sum()) / (self.costs.draft_s + verify(k + 1, context))
             if rate > best:
                 best_k, best = k, rate
+        self.probing = False
         if best_k == 0:
             self.plain_cycles += 1
-            if self.plain_cycles >= self.probe_every:  # look again: the text may have changed
-                self.plain_cycles = 0
+            if self.plain_cycles >= self.probe_gap:  # look again: the text may have changed
+                self.plain_cycles, self.probing = 0, True
                 return limit
         else:
             self.plain_cycles = 0
@@ -198,8 +201,17 @@ class Scheduler:
 
     def observe(self, drafted: int, accepted: int, confidence: Sequence[float] | None = None,
                 decay: float = 0.15) -> None:
-        """Update the per-position survival rates from one cycle (positions reached only)."""
+        """Update the per-position survival rates from one cycle (positions reached only).
+
+        A running mean at first (one failure already counts), a moving average after that; a
+        failed probe doubles the wait for the next one (up to 8x), a paying one resets it."""
         for j in range(min(drafted, accepted + 1)):
-            self.accept_rate[j] += decay * (float(j < accepted) - self.accept_rate[j])
+            step = max(decay, 1.0 / (self.seen[j] + 2))
+            self.accept_rate[j] += step * (float(j < accepted) - self.accept_rate[j])
+            self.seen[j] += 1
+        if self.probing and drafted > 0:  # the probe's own cycle (a plain one may come first)
+            self.probing, paid = False, accepted > 0
+            self.probe_gap = self.probe_every if paid else min(2 * self.probe_gap,
+                                                                8 * self.probe_every)
         if confidence is not None:
             self.confidence = np.asarray(confidence, dtype=np.float64)

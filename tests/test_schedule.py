@@ -109,3 +109,40 @@ def test_sampled_output_is_exact_whatever_block_the_scheduler_picks(monkeypatch,
     stat, dof = chi_square(counts.ravel(), joint.ravel())
     assert stat < dof + 5 * np.sqrt(2 * dof), f"joint chi2 {stat:.1f} with {dof} dof"
     assert lengths == {0, 1, 2}  # every block the room allows, plain decoding included
+
+
+def test_drafter_context_stays_aligned_across_plain_cycles(monkeypatch, forced):
+    """Plain cycles are pipelined and feed the drafter lazily; a drafting cycle after them
+    must see every committed position (the oracle drafts by its context offset)."""
+    pattern = iter([0, 0, 3, 0, 2, 0, 0, 0, 4] * 20)
+    monkeypatch.setattr(Scheduler, "choose", lambda self, room, context: min(room, next(pattern)))
+    model = make_target("qwen3", tied=False)
+    drafter = make_drafter(model, block_size=8)
+    prompt = [5, 6, 7, 8]
+    want, _ = reference(model, prompt, 50)
+    oracle = OracleDrafter(drafter, prompt + want + [0] * 16, 128, 0.0)
+    got, stats = run(model, oracle, prompt, 50)
+    assert got == want and 0 in stats.draft_lengths
+    drafted = [(k, a) for k, a in zip(stats.draft_lengths, stats.acceptance_lengths) if k]
+    assert drafted and all(a == k + 1 for k, a in drafted)  # perfect drafts all accepted
+
+
+def test_failed_probes_back_off_and_a_paying_one_resets():
+    s = Scheduler(COSTS, 7, token_bytes=1 << 20, headroom=lambda: 1 << 40, probe_every=2)
+    s.observe(7, 0), s.observe(7, 0)  # two failures at position 1 stop drafting
+    assert s.accept_rate[0] < 0.2
+    assert s.choose(7, 100) == 0
+    gaps = []
+    for _ in range(4):
+        k = 0
+        while k == 0:
+            k = s.choose(7, 100)
+            s.observe(0, 0)  # a plain cycle observed after the probe was chosen (pipelining)
+        gaps.append(s.probe_gap)
+        s.observe(k, 0)  # the probe fails
+    assert gaps == [2, 4, 8, 16] and s.probe_gap == 16  # capped at 8x
+    k = 0
+    while k == 0:
+        k = s.choose(7, 100)
+    s.observe(k, 3)
+    assert s.probe_gap == 2
