@@ -118,8 +118,8 @@ def test_missing_weight_and_bad_paths(tmp_path):
 def test_unsupported_family_is_named(tmp_path):
     model = make_target("qwen3")
     path = zlab_checkpoint(tmp_path, make_drafter(model, layer_ids=(0, 1)),
-                           architectures=["DFlash2DraftModel"])
-    with pytest.raises(NotImplementedError, match="DFlash 2"):
+                           architectures=["Gemma4DSparkModel"])
+    with pytest.raises(NotImplementedError, match="Gemma 4 DSpark"):
         load_drafter(path)
 
 

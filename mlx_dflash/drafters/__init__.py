@@ -12,14 +12,15 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .dflash import DFlashDraftModel
+from .dflash2 import DFlash2DraftModel
 from .dspark import DSparkDraftModel
 from .layers import DraftArgs
 
 # DeepSpec writes Qwen3DSparkModel (fields at the top level); SpecForge-style exports write
 # DSparkDraftModel with the fields in dflash_config. DraftArgs.from_config reads both.
-FAMILIES = {"DFlashDraftModel": DFlashDraftModel, "Qwen3DSparkModel": DSparkDraftModel,
-            "DSparkDraftModel": DSparkDraftModel}
-NOT_YET = {"DFlash2DraftModel": "DFlash 2", "Gemma4DSparkModel": "Gemma 4 DSpark"}
+FAMILIES = {"DFlashDraftModel": DFlashDraftModel, "DFlash2DraftModel": DFlash2DraftModel,
+            "Qwen3DSparkModel": DSparkDraftModel, "DSparkDraftModel": DSparkDraftModel}
+NOT_YET = {"Gemma4DSparkModel": "Gemma 4 DSpark"}
 
 
 class DrafterMismatchError(ValueError):
@@ -194,6 +195,14 @@ def drafter_config(drafter: DFlashDraftModel) -> dict:
     if a.sliding_window is not None:
         config["layer_types"] = a.layer_types
         config["sliding_window"] = a.sliding_window
+    if isinstance(drafter, DFlash2DraftModel):
+        config["architectures"] = ["DFlash2DraftModel"]
+        config["is_causal"] = bool(drafter.layers[0].is_causal)
+        config["dflash_config"].update(
+            block_size=config.pop("block_size"), conv_kernel_size=a.conv_kernel_size,
+            conv_group_size=a.conv_group_size, selector_rank=a.selector_rank,
+            selector_top_k=a.selector_top_k, output_multiplier=a.output_multiplier,
+            final_logit_softcapping=a.final_logit_softcapping)
     if isinstance(drafter, DSparkDraftModel):
         fields = config.pop("dflash_config")
         config.update(fields, architectures=["Qwen3DSparkModel"], markov_rank=a.markov_rank,
@@ -221,5 +230,5 @@ def save_drafter(drafter: DFlashDraftModel, path: str | Path, extra_config: dict
     return Path(path)
 
 
-__all__ = ["DFlashDraftModel", "DSparkDraftModel", "DraftArgs", "DrafterMismatchError",
-           "check_fits", "load_drafter", "save_drafter", "drafter_config"]
+__all__ = ["DFlashDraftModel", "DFlash2DraftModel", "DSparkDraftModel", "DraftArgs",
+           "DrafterMismatchError", "check_fits", "load_drafter", "save_drafter", "drafter_config"]

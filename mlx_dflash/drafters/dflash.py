@@ -19,6 +19,7 @@ from .layers import DraftArgs, DraftLayer, block_mask, make_context_cache
 
 class DFlashDraftModel(nn.Module):
     family = "dflash"
+    layer_class = DraftLayer
 
     def __init__(self, args: DraftArgs):
         super().__init__()
@@ -26,7 +27,7 @@ class DFlashDraftModel(nn.Module):
         n_taps = len(args.target_layer_ids)
         self.fc = nn.Linear(n_taps * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.layers = [DraftLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.layers = [self.layer_class(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         if args.draft_vocab_size:
             self.draft_vocab = mx.arange(args.draft_vocab_size, dtype=mx.int32)

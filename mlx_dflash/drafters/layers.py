@@ -52,6 +52,11 @@ class DraftArgs:
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = True
     confidence_temperatures: list[float] | None = None
+    # DFlash 2 (zero: none): the sublayer convolutions and the path selector.
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -116,6 +121,10 @@ class DraftArgs:
             enable_confidence_head=bool(pick("enable_confidence_head", False)),
             confidence_head_with_markov=bool(pick("confidence_head_with_markov", True)),
             confidence_temperatures=pick("confidence_temperatures"),
+            conv_kernel_size=int(pick("conv_kernel_size", 0) or 0),
+            conv_group_size=int(pick("conv_group_size", 0) or 0),
+            selector_rank=int(pick("selector_rank", 0) or 0),
+            selector_top_k=int(pick("selector_top_k", 0) or 0),
         )
 
 

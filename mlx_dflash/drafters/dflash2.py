@@ -1,0 +1,216 @@
+"""DFlash 2: the DFlash backbone with a dynamic convolution around every sublayer, and a
+low-rank path selector over each position's top-K draft candidates.
+
+Convolution (per block, never across blocks): ``y_t = (base0 + d_t0) * x_t + (base1 + d_t1) *
+x_(t-1)`` with ``x_(-1) = 0`` at the anchor; ``d`` comes from one linear projection of the
+sublayer input, one value per group of ``conv_group_size`` channels, and that projection drives
+both the pre-sublayer (side 0) and the post-sublayer (side 1) convolution.
+Selector: ``S_t(a, b) = U_t(b) + <A[a] * P(h_t), B[b]>`` over the top-K candidates b of position
+t, with a the token chosen at t-1 (the anchor at t = 1); the walk takes the argmax, or samples
+``softmax(S_t / T)`` over the K candidates. At initialisation (``base = [1, 0]``, zero
+projection, zero successor codebook) it proposes exactly what DFlash proposes.
+Weight names follow the published DFlash2DraftModel checkpoints (SpecForge / SGLang).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..accept import SamplingParams
+from .dflash import DFlashDraftModel
+from .layers import DraftArgs, DraftLayer
+
+
+class GroupedConv(nn.Module):
+    """A ``taps``-tap dynamic depthwise convolution within each block row of [N, B, D]."""
+
+    def __init__(self, hidden_size: int, taps: int, group_size: int, block_size: int):
+        super().__init__()
+        if not 1 <= taps <= block_size:
+            raise ValueError(f"conv_kernel_size must be in 1..block_size ({block_size}), "
+                             f"got {taps}")
+        if group_size < 1 or hidden_size % group_size:
+            raise ValueError(f"conv_group_size {group_size} must divide hidden_size "
+                             f"{hidden_size}")
+        self.taps, self.group_size = taps, group_size
+        self.num_groups = hidden_size // group_size
+        base = mx.zeros((2, taps, hidden_size))  # [pre/post side, tap, channel]
+        base[:, 0] = 1.0
+        self.base_kernel = base
+        self.kernel_projection = nn.Linear(hidden_size, 2 * taps * self.num_groups, bias=False)
+        self.kernel_projection.weight = mx.zeros_like(self.kernel_projection.weight)
+
+    def _convolve(self, x: mx.array, delta: mx.array, side: int) -> mx.array:
+        N, B, D = x.shape
+        G, g = self.num_groups, self.group_size
+        coef = self.base_kernel[side].reshape(self.taps, G, g) + delta[..., None]  # [N,B,t,G,g]
+        xg = x.reshape(N, B, G, g)
+        out = coef[:, :, 0] * xg
+        for tap in range(1, self.taps):
+            shifted = mx.pad(xg[:, : B - tap], [(0, 0), (tap, 0), (0, 0), (0, 0)])
+            out = out + coef[:, :, tap] * shifted
+        return out.reshape(N, B, D)
+
+    def prepare(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """Convolve the sublayer input; return it and the post-sublayer kernel deltas."""
+        delta = self.kernel_projection(x).reshape(*x.shape[:2], 2, self.taps, self.num_groups)
+        return self._convolve(x, delta[:, :, 0], 0), delta[:, :, 1]
+
+    def finish(self, x: mx.array, delta: mx.array) -> mx.array:
+        return self._convolve(x, delta, 1)
+
+
+class DFlash2Layer(DraftLayer):
+    def __init__(self, args: DraftArgs, layer_idx: int):
+        super().__init__(args, layer_idx)
+        conv = (args.hidden_size, args.conv_kernel_size, args.conv_group_size, args.block_size)
+        self.attention_conv = GroupedConv(*conv)
+        self.mlp_conv = GroupedConv(*conv)
+
+    def __call__(self, x, ctx_keys, ctx_values, block_offset, mask) -> mx.array:
+        y, post = self.attention_conv.prepare(self.input_layernorm(x))
+        attn = self.self_attn(y, ctx_keys, ctx_values, block_offset, mask)
+        h = x + self.attention_conv.finish(attn, post)
+        y, post = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(y), post)
+
+
+class CandidateSelector(nn.Module):
+    """Predecessor/successor codebooks [rows, r] and the hidden projection H -> r.
+
+    Rows are target ids, or with a reduced draft vocabulary the drafter's indices (the
+    predecessor codebook then has one more row: a previous token outside the vocabulary)."""
+
+    def __init__(self, hidden_size: int, n_prev: int, n_next: int, rank: int, top_k: int):
+        super().__init__()
+        if rank < 1 or not 1 <= top_k <= n_next:
+            raise ValueError(f"selector_rank must be >= 1 and selector_top_k in 1..{n_next}, "
+                             f"got {rank} and {top_k}")
+        self.top_k = top_k
+        self.predecessor_codebook = 0.02 * mx.random.normal((n_prev, rank))
+        self.successor_codebook = mx.zeros((n_next, rank))  # zero: scores start as DFlash's
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+
+    def candidates(self, unary: mx.array) -> tuple[mx.array, mx.array]:
+        """Top-K candidate indices [.., K] (best first) and their unary logits."""
+        k = self.top_k
+        top = mx.argpartition(-unary, kth=k - 1, axis=-1)[..., :k]
+        vals = mx.take_along_axis(unary, top, axis=-1)
+        order = mx.argsort(-vals, axis=-1)
+        return mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+
+    def scores(self, cand: mx.array, unary_k: mx.array, hidden: mx.array,
+               prev_rows: mx.array) -> mx.array:
+        """S(prev, cand) [.., K] for one predecessor row per position (teacher forcing)."""
+        context = self.predecessor_codebook[prev_rows] * self.hidden_projection(hidden)
+        succ = self.successor_codebook[cand]  # [.., K, r]
+        return unary_k + (succ @ context[..., None])[..., 0]
+
+    def lattice(self, cand: mx.array, unary_k: mx.array, hidden: mx.array,
+                anchor_row: mx.array) -> tuple[mx.array, mx.array]:
+        """Scores of position 1 from the anchor [K], and of positions t >= 2 from each of the
+        K candidates of t-1 [n-1, K, K]: all the walk needs, in two batched products."""
+        proj = self.hidden_projection(hidden)  # [n, r]
+        succ = self.successor_codebook[cand]  # [n, K, r]
+        first = unary_k[0] + succ[0] @ (self.predecessor_codebook[anchor_row] * proj[0])
+        prev = self.predecessor_codebook[cand[:-1]] * proj[1:, None, :]  # [n-1, K, r]
+        rest = unary_k[1:, None, :] + prev @ succ[1:].transpose(0, 2, 1)
+        return first, rest
+
+
+def walk_path(first: mx.array, rest: mx.array, temperature: float = 0.0
+              ) -> tuple[mx.array, mx.array | None]:
+    """The selector walk: candidate index per position [n], and at temperature > 0 the
+    proposal over the K candidates [n, K]. The one sequential step of DFlash 2 (a Metal
+    kernel replaces it where there is one); lazy, no host sync."""
+    greedy = temperature == 0
+    rows, picks, probs = first, [], []
+    for t in range(rest.shape[0] + 1):
+        if t:
+            rows = mx.take(rest[t - 1], picks[-1], axis=0)  # scores given the pick at t-1
+        if greedy:
+            picks.append(mx.argmax(rows, axis=-1))
+        else:
+            scaled = rows / temperature
+            picks.append(mx.random.categorical(scaled))
+            probs.append(mx.softmax(scaled, axis=-1))
+    return mx.stack(picks), None if greedy else mx.stack(probs)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    family = "dflash2"
+    layer_class = DFlash2Layer
+
+    def __init__(self, args: DraftArgs):
+        missing = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                               "selector_top_k") if not getattr(args, k)]
+        if missing:
+            raise ValueError(f"a DFlash 2 drafter needs dflash_config.{', '.join(missing)}")
+        super().__init__(args)
+        n_next = args.draft_vocab_size or args.vocab_size
+        n_prev = n_next + 1 if args.draft_vocab_size else n_next
+        self.candidate_selector = CandidateSelector(args.hidden_size, n_prev, n_next,
+                                                    args.selector_rank, args.selector_top_k)
+
+    def set_draft_vocab(self, ids: mx.array) -> None:
+        if ids.shape[0] != self.args.draft_vocab_size:
+            raise ValueError("a DFlash 2 drafter's vocabulary size is fixed when it is built "
+                             f"({self.args.draft_vocab_size}), got {ids.shape[0]} ids")
+        super().set_draft_vocab(ids)
+
+    def prev_rows(self, tokens: mx.array) -> mx.array:
+        """Target ids -> predecessor codebook rows (the last row: outside the vocabulary)."""
+        vocab = self.vocab_ids
+        if vocab is None:
+            return tokens.astype(mx.int32)
+        table = self.__dict__.get("_prev_table")
+        if table is None or table[0] is not vocab:
+            t = mx.full((self.args.vocab_size,), vocab.shape[0], dtype=mx.int32)
+            t[vocab] = mx.arange(vocab.shape[0], dtype=mx.int32)
+            table = (vocab, t)
+            object.__setattr__(self, "_prev_table", table)
+        return table[1][tokens.astype(mx.int32)]
+
+    def propose(
+        self,
+        target: Any,
+        anchor: mx.array,
+        cache: list[Any],
+        block_size: int,
+        num_drafts: int,
+        params: SamplingParams,
+    ) -> tuple[mx.array, mx.array | None]:
+        """K drafts by the selector walk; when sampling, the proposal [K, V] (supported on each
+        position's K candidates: rejection sampling stays exact)."""
+        K = num_drafts
+        mask_ids = mx.full((block_size - 1,), self.args.mask_token_id, dtype=anchor.dtype)
+        embeds = self.embed_block(target, mx.concatenate([anchor, mask_ids])[None])
+        hidden = self(embeds, cache)[0, 1 : 1 + K]
+        sel = self.candidate_selector
+        cand, unary_k = sel.candidates(self.head(target, hidden).astype(mx.float32))
+        first, rest = sel.lattice(cand, unary_k, hidden, self.prev_rows(anchor)[0])
+        picks, q = walk_path(first, rest, params.temperature)
+        idx = mx.take_along_axis(cand, picks[:, None], axis=-1)[:, 0]
+        vocab = self.vocab_ids
+        cand_ids = vocab[cand] if vocab is not None else cand
+        drafts = (vocab[idx] if vocab is not None else idx).astype(mx.uint32)
+        if q is None:
+            return drafts, None
+        probs = mx.put_along_axis(mx.zeros((K, target.vocab_size), dtype=q.dtype),
+                                  cand_ids.astype(mx.int32), q, axis=-1)
+        return drafts, probs
+
+    def train_logits(self, target: Any, features, blocks, anchors, prev):
+        """(draft logits [N, n, V'], (selector scores [N, n, K], candidates [N, n, K])) of
+        training blocks; the scores use the true previous token (teacher forcing)."""
+        embeds = self.embed_block(target, blocks)
+        hidden = self.train_hidden(embeds, features, anchors)[:, 1:]
+        logits = self.head(target, hidden)
+        sel = self.candidate_selector
+        cand, unary_k = sel.candidates(logits.astype(mx.float32))
+        cand = mx.stop_gradient(cand)
+        scores = sel.scores(cand, unary_k, hidden, self.prev_rows(prev))
+        return logits, (scores, cand)
