@@ -257,3 +257,29 @@ def test_sliding_window_drafter_train_matches_inference_and_is_lossless():
     want, _ = reference(model, prompt, 20)
     got, _, _ = speculative(model, drafter, tok, prompt, 20, 4)
     assert got == want
+
+
+def test_dflash2_trains_from_a_dflash_backbone(tmp_path):
+    from mlx_dflash.drafters import DFlash2DraftModel
+
+    model, _, _ = _tiny_store(tmp_path)
+    base = TrainConfig(store_dir=str(tmp_path / "store"), out_dir=str(tmp_path / "dflash"),
+                       block_size=4, num_layers=1, mask_token_id=2, epochs=1, grad_accum=2,
+                       draft_vocab_size=40)
+    dflash = train(model, base, progress=False)
+    config = TrainConfig(store_dir=str(tmp_path / "store"), out_dir=str(tmp_path / "dflash2"),
+                         family="dflash2", block_size=4, num_layers=1, mask_token_id=2,
+                         selector_rank=8, selector_top_k=4, conv_group_size=8,
+                         learning_rate=3e-3, epochs=8, grad_accum=2, val_fraction=0.2,
+                         init_from=str(tmp_path / "dflash" / "checkpoint"))
+    train(model, config, progress=False)
+    log = [json.loads(line) for line in open(tmp_path / "dflash2" / "train_log.jsonl")]
+    first = np.mean([r["loss"] for r in log[:4]])
+    assert np.mean([r["loss"] for r in log[-4:]]) < 0.8 * first
+    val = [json.loads(line) for line in open(tmp_path / "dflash2" / "val_log.jsonl")][-1]
+    assert len(val["recall"]) == 3 and all(0 <= r <= 1 for r in val["recall"])
+    drafter = load_drafter(tmp_path / "dflash2" / "checkpoint", model=model)
+    assert isinstance(drafter, DFlash2DraftModel)
+    assert drafter.vocab_ids.tolist() == dflash.vocab_ids.tolist()  # kept from the start
+    sel = drafter.candidate_selector
+    assert float(mx.abs(sel.successor_codebook).sum()) > 0  # the selector learned something

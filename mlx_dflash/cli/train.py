@@ -28,11 +28,13 @@ def train(
     generate_only: bool = typer.Option(False, "--generate-only",
                                        help="Fill the store and stop."),
     max_response_tokens: int = typer.Option(192, "--max-response-tokens", min=8),
-    family: str = typer.Option("dflash", "--family", help="dflash or dspark."),
+    family: str = typer.Option("dflash", "--family", help="dflash, dspark or dflash2."),
     block_size: int = typer.Option(16, "--block-size", min=2),
     markov_rank: int = typer.Option(256, "--markov-rank", min=1, help="DSpark only."),
     markov_head: str = typer.Option("vanilla", "--markov-head",
                                     help="DSpark only: vanilla, gated or rnn."),
+    selector_weight: float = typer.Option(1.0, "--selector-weight", min=0.0,
+                                          help="DFlash 2: weight of the selector's loss."),
     conf_weight: float = typer.Option(1.0, "--conf-weight", min=0.0,
                                       help="DSpark only: confidence-head BCE weight."),
     gamma: Optional[float] = typer.Option(None, "--gamma", min=0.1,
@@ -111,13 +113,13 @@ def train(
     if generate_only:
         typer.echo(f"feature store: {len(FeatureStore(store_dir))} sequences in {store_dir}")
         return
-    if family not in ("dflash", "dspark"):
-        fail(f"--family must be dflash or dspark, got '{family}'")
+    if family not in ("dflash", "dspark", "dflash2"):
+        fail(f"--family must be dflash, dspark or dflash2, got '{family}'")
     if markov_head not in ("vanilla", "gated", "rnn"):
         fail(f"--markov-head must be vanilla, gated or rnn, got '{markov_head}'")
     config = TrainConfig(store_dir=str(store_dir), out_dir=str(out), block_size=block_size,
                          family=family, markov_rank=markov_rank, markov_head_type=markov_head,
-                         conf_weight=conf_weight,
+                         conf_weight=conf_weight, selector_weight=selector_weight,
                          gamma=gamma or (4.0 if family == "dspark" else 7.0),
                          num_layers=layers, mask_token_id=mask_token_id,
                          draft_vocab_size=draft_vocab or None, ce_weight=ce_weight,

@@ -97,9 +97,9 @@ class CandidateSelector(nn.Module):
     def candidates(self, unary: mx.array) -> tuple[mx.array, mx.array]:
         """Top-K candidate indices [.., K] (best first) and their unary logits."""
         k = self.top_k
-        top = mx.argpartition(-unary, kth=k - 1, axis=-1)[..., :k]
+        top = mx.stop_gradient(mx.argpartition(-unary, kth=k - 1, axis=-1)[..., :k])
         vals = mx.take_along_axis(unary, top, axis=-1)
-        order = mx.argsort(-vals, axis=-1)
+        order = mx.stop_gradient(mx.argsort(-vals, axis=-1))
         return mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
 
     def scores(self, cand: mx.array, unary_k: mx.array, hidden: mx.array,
@@ -211,6 +211,5 @@ class DFlash2DraftModel(DFlashDraftModel):
         logits = self.head(target, hidden)
         sel = self.candidate_selector
         cand, unary_k = sel.candidates(logits.astype(mx.float32))
-        cand = mx.stop_gradient(cand)
         scores = sel.scores(cand, unary_k, hidden, self.prev_rows(prev))
         return logits, (scores, cand)

@@ -20,7 +20,14 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..drafters import DFlashDraftModel, DraftArgs, DSparkDraftModel, load_drafter, save_drafter
+from ..drafters import (
+    DFlash2DraftModel,
+    DFlashDraftModel,
+    DraftArgs,
+    DSparkDraftModel,
+    load_drafter,
+    save_drafter,
+)
 from ..target import Target
 from .recipe import (
     Batch,
@@ -41,7 +48,7 @@ DEFAULT_MASK_TOKEN = {"smollm2": 16}
 class TrainConfig:
     store_dir: str
     out_dir: str
-    family: str = "dflash"  # or "dspark"
+    family: str = "dflash"  # or "dspark", "dflash2"
     block_size: int = 16
     num_layers: int = 2
     markov_rank: int = 256  # DSpark only
@@ -53,6 +60,11 @@ class TrainConfig:
     ce_weight: float = 1.0
     tv_weight: float = 0.0
     conf_weight: float = 1.0  # DSpark's confidence head
+    selector_weight: float = 1.0  # DFlash 2's selector cross-entropy
+    selector_rank: int = 256  # DFlash 2 only
+    selector_top_k: int = 16  # DFlash 2 only
+    conv_kernel_size: int = 2  # DFlash 2 only
+    conv_group_size: int = 16  # DFlash 2 only
     learning_rate: float = 6e-4
     warmup: float = 0.04
     epochs: float = 3.0
@@ -101,8 +113,13 @@ def new_drafter(
         cls = DSparkDraftModel
         args.markov_rank, args.markov_head_type = config.markov_rank, config.markov_head_type
         args.enable_confidence_head = config.conf_weight > 0
+    elif config.family == "dflash2":
+        cls = DFlash2DraftModel
+        args.selector_rank, args.selector_top_k = config.selector_rank, config.selector_top_k
+        args.conv_kernel_size = config.conv_kernel_size
+        args.conv_group_size = config.conv_group_size
     elif config.family != "dflash":
-        raise ValueError(f"unknown drafter family '{config.family}' (dflash or dspark)")
+        raise ValueError(f"unknown drafter family '{config.family}' (dflash, dspark or dflash2)")
     drafter = cls(args)
     if vocab is not None:
         drafter.set_draft_vocab(vocab)
@@ -250,6 +267,8 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
         else:
             mx.random.seed(config.seed)  # a run is reproducible from its config
             layer_ids = store.layer_ids if base is None else base.target_layer_ids
+            if vocab is None and base is not None:
+                vocab = base.vocab_ids  # another family's start keeps its vocabulary
             drafter = new_drafter(target, config, layer_ids, vocab)
             if base is not None:  # another family's checkpoint: start from its backbone
                 shared = [(k, v) for k, v in tree_flatten(base.parameters())
@@ -277,8 +296,10 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
     batch_of = Batches(store, drafter, config, scale)
     weights = position_weights(batch_of.n_labels + 1, config.gamma)
     conf_weight = config.conf_weight if config.family == "dspark" else 0.0
+    selector_weight = config.selector_weight if config.family == "dflash2" else 0.0
     loss_and_grad = nn.value_and_grad(drafter, lambda b: block_loss(
-        drafter, target, b, weights, config.ce_weight, config.tv_weight, conf_weight))
+        drafter, target, b, weights, config.ce_weight, config.tv_weight, conf_weight,
+        selector_weight))
 
     def epoch_order(epoch: int) -> np.ndarray:
         return np.random.default_rng(config.seed + 1 + epoch).permutation(train_idx)
@@ -400,20 +421,29 @@ def validate(drafter, target: Target, batch_of: Batches, idx, config: TrainConfi
     """Teacher-forced held-out metrics: per-position accuracy and the greedy acceptance length
     implied by each block's correct prefix (blocks whose labels all exist)."""
     gen = np.random.default_rng(12345)
-    correct_by_pos, valid_by_pos, prefix_lens = 0, 0, []
+    correct_by_pos, valid_by_pos, recall_by_pos, prefix_lens = 0, 0, None, []
     for i in idx:
         batch = batch_of(int(i), gen, num_anchors=32)
         if batch is None:
             continue
-        logits, _ = drafter.train_logits(target, batch.features, batch.blocks, batch.anchors,
-                                         batch.prev)
+        logits, aux = drafter.train_logits(target, batch.features, batch.blocks, batch.anchors,
+                                           batch.prev)
         pred = np.array(mx.argmax(logits, axis=-1))
         valid = np.array(batch.valid)
-        correct = (pred == np.array(batch.labels)) & valid
+        labels = np.array(batch.labels)
+        if isinstance(aux, tuple):  # DFlash 2: the selector's pick, and candidate recall
+            scores, cand = (np.array(a) for a in aux)
+            pred = np.take_along_axis(cand, scores.argmax(-1)[..., None], -1)[..., 0]
+            found = (cand == labels[..., None]).any(-1) & valid
+            recall_by_pos = found.sum(axis=0) + (0 if recall_by_pos is None else recall_by_pos)
+        correct = (pred == labels) & valid
         correct_by_pos = correct_by_pos + correct.sum(axis=0)
         valid_by_pos = valid_by_pos + valid.sum(axis=0)
         full = valid.all(axis=1)
         prefix_lens += np.cumprod(correct[full], axis=1).sum(axis=1).tolist()
     accuracy = (np.asarray(correct_by_pos) / np.maximum(valid_by_pos, 1)).tolist()
     tau = 1.0 + float(np.mean(prefix_lens)) if prefix_lens else 1.0
-    return {"accuracy": accuracy, "expected_tau": tau, "blocks": len(prefix_lens)}
+    out = {"accuracy": accuracy, "expected_tau": tau, "blocks": len(prefix_lens)}
+    if recall_by_pos is not None:
+        out["recall"] = (np.asarray(recall_by_pos) / np.maximum(valid_by_pos, 1)).tolist()
+    return out

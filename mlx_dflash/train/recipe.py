@@ -80,17 +80,21 @@ def block_loss(
     ce_weight: float = 1.0,
     tv_weight: float = 0.0,
     conf_weight: float = 0.0,
+    selector_weight: float = 0.0,
 ) -> tuple[mx.array, mx.array]:
     """Position-weighted CE on the target's tokens, total variation toward the target's
-    distribution and (DSpark) the confidence head's BCE toward ``1 - TV``, over all blocks of
-    one sequence. Returns (loss, per-position accuracy).
+    distribution, (DSpark) the confidence head's BCE toward ``1 - TV`` and (DFlash 2) the
+    selector's cross-entropy over each position's K candidates given the true previous token
+    (positions whose label is not a candidate left out), over all blocks of one sequence.
+    Returns (loss, per-position accuracy).
 
     Labels outside the drafter's vocabulary count as wrong and are left out of the CE. The TV
     term knows the target's top-k only and treats the rest of its mass as unknown:
     ``0.5 * (sum_topk |q - p| + (1 - sum_topk q))``.
     """
-    logits, conf = drafter.train_logits(target, batch.features, batch.blocks, batch.anchors,
-                                        batch.prev)
+    logits, aux = drafter.train_logits(target, batch.features, batch.blocks, batch.anchors,
+                                       batch.prev)
+    conf = aux if not isinstance(aux, tuple) else None
     logits = logits.astype(mx.float32)
     labels, valid = batch.labels, batch.valid
     w = weights[None, :] * valid
@@ -112,6 +116,13 @@ def block_loss(
             bce = nn.losses.binary_cross_entropy(conf, soft, with_logits=True,
                                                  reduction="none")
             loss = loss + conf_weight * (bce * w).sum() / mx.maximum(total, 1e-6)
+    if selector_weight and isinstance(aux, tuple):
+        scores, cand = aux
+        hit = cand == labels[..., None]
+        covered = hit.any(axis=-1)
+        sel_ce = nn.losses.cross_entropy(scores, mx.argmax(hit, axis=-1), reduction="none")
+        ws = w * covered
+        loss = loss + selector_weight * (sel_ce * ws).sum() / mx.maximum(ws.sum(), 1e-6)
     correct = (mx.argmax(logits, axis=-1) == labels) * valid
     accuracy = correct.sum(axis=0) / mx.maximum(valid.sum(axis=0), 1)
     return loss, accuracy
