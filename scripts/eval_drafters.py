@@ -8,10 +8,12 @@ For greedy decoding every committed token is the target's own, so once the targe
 output is known each cycle's outcome is too: at every possible anchor we score the drafter's
 block teacher-forced (one pass over the whole sequence; for DSpark the Markov walk sees the
 true previous tokens, which is what it sees whenever its prefix is accepted) and the copy
-block (CopyIndex over the history), then replay the decode loop. Cycle time comes from passes
-measured here: drafter pass + verify of 1+K tokens (copy cycles skip the drafter). The plain
-outputs are computed once and shared by every drafter. Estimated speedups leave out the
-loop's own overhead (a few ms a cycle), so the bench's measured figures run a little lower.
+block (CopyIndex over the history), then replay the decode loop (DFlash 2: the selector's
+pick given the true previous token, which is what its walk sees on an accepted prefix).
+Cycle time comes from passes measured here: drafter pass + verify of 1+K tokens (copy cycles
+skip the drafter). The plain outputs are computed once and shared by every drafter.
+Estimated speedups leave out the loop's own overhead (a few ms a cycle), so the bench's
+measured figures run a little lower.
 """
 
 import argparse
@@ -54,9 +56,12 @@ def block_predictions(drafter, target, full: list[int], P: int) -> np.ndarray:
     blocks = np.full((len(anchors), drafter.block_size), drafter.mask_token_id)
     blocks[:, 0] = padded[anchors]
     prev = padded[anchors[:, None] + np.arange(n)[None]]  # the anchor, then true tokens
-    logits, _ = drafter.train_logits(target, feats, mx.array(blocks), mx.array(anchors),
-                                     mx.array(prev))
+    logits, aux = drafter.train_logits(target, feats, mx.array(blocks), mx.array(anchors),
+                                       mx.array(prev))
     idx = mx.argmax(logits, axis=-1)
+    if isinstance(aux, tuple):  # DFlash 2: the selector's pick given the true previous token
+        scores, cand = aux
+        idx = mx.take_along_axis(cand, mx.argmax(scores, axis=-1)[..., None], axis=-1)[..., 0]
     if drafter.vocab_ids is not None:
         idx = drafter.vocab_ids[idx]
     return np.array(idx)
