@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .accept import SamplingParams
 from .decode import as_target, stream_generate
 from .train.data import read_prompts
 
@@ -51,7 +52,8 @@ def measure_pass_costs(
     def draft_pass() -> None:
         width = max(block_size, drafter.block_size)  # as stream_generate drafts
         anchor = mx.zeros((1,), dtype=mx.uint32)
-        mx.eval(drafter.draft_logits(target, anchor, draft_cache, width, block_size - 1))
+        mx.eval(drafter.propose(target, anchor, draft_cache, width, block_size - 1,
+                                SamplingParams())[0])  # the walk too (DSpark, DFlash 2)
 
     from .schedule import best_time
 

@@ -24,6 +24,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .accept import SamplingParams
+
 CONTEXTS = (128, 1024)  # verify cost is measured at these context lengths, interpolated
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # ... and at these token counts
 
@@ -72,7 +74,8 @@ def _costs_at(target: Any, drafter: Any, context: int, max_tokens: int, reps: in
     def draft_pass() -> None:
         anchor = mx.zeros((1,), dtype=mx.uint32)
         width = max(max_tokens, drafter.block_size)
-        mx.eval(drafter.draft_logits(target, anchor, draft_cache, width, max_tokens - 1))
+        mx.eval(drafter.propose(target, anchor, draft_cache, width, max_tokens - 1,
+                                SamplingParams())[0])  # the walk too (DSpark, DFlash 2)
 
     verify = [best_time(lambda n=n: target_pass(n), reps) for n in _sizes(max_tokens)]
     return verify, best_time(draft_pass, reps)
@@ -94,7 +97,7 @@ def _cache_file(target: Any, drafter: Any, max_tokens: int) -> Path:
     from .default_target import cache_root
     from .train.store import target_fingerprint
 
-    key = json.dumps([target_fingerprint(target), drafter.args.hidden_size,
+    key = json.dumps(["propose", target_fingerprint(target), drafter.args.hidden_size,
                       drafter.args.num_hidden_layers, drafter.args.draft_vocab_size,
                       drafter.block_size, type(drafter).__name__, max_tokens, platform.node(),
                       platform.machine(), mx.__version__, str(mx.default_device()),
