@@ -283,3 +283,25 @@ def test_dflash2_trains_from_a_dflash_backbone(tmp_path):
     assert drafter.vocab_ids.tolist() == dflash.vocab_ids.tolist()  # kept from the start
     sel = drafter.candidate_selector
     assert float(mx.abs(sel.successor_codebook).sum()) > 0  # the selector learned something
+
+
+def test_held_out_sequences_stay_held_out_as_the_store_grows():
+    from mlx_dflash.train.loop import held_out_split
+
+    class Ids:
+        def __init__(self, n):
+            self.ids = [f"set:{i}" for i in range(n)]
+
+        def __len__(self):
+            return len(self.ids)
+
+        def id_list(self):
+            return self.ids
+
+    small, big = Ids(2000), Ids(3000)
+    big.ids = big.ids[2000:] + big.ids[:2000]  # new shards sort anywhere
+    _, held_small = held_out_split(small, 0.02)
+    train_big, held_big = held_out_split(big, 0.02)
+    assert 20 < len(held_small) < 60
+    assert {small.ids[i] for i in held_small} <= {big.ids[i] for i in held_big}
+    assert not {big.ids[i] for i in held_big} & {big.ids[i] for i in train_big}

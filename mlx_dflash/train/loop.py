@@ -7,6 +7,7 @@ step costs only the drafter and its (reduced) head.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -129,6 +130,23 @@ def new_drafter(
     return drafter
 
 
+def held_out_split(store: FeatureStore, fraction: float, seed: int = 0
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out) sequence indices. Held out: the ids whose hash falls below
+    ``fraction``, so a sequence stays held out as the store grows and in every run and family
+    (a tiny store takes its lowest hashes instead, so that it has some)."""
+    if len(store) <= 10:
+        return np.arange(len(store)), np.zeros((0,), dtype=np.int64)
+    h = np.array([int.from_bytes(hashlib.sha1(f"{seed}:{i}".encode()).digest()[:8], "big")
+                  for i in store.id_list()], dtype=np.float64) / 2.0**64
+    held = h < fraction
+    if held.sum() < max(1, int(fraction * len(store))) and len(store) < 1000:
+        held = np.zeros(len(store), dtype=bool)
+        held[np.argsort(h)[: max(1, int(fraction * len(store)))]] = True
+    idx = np.arange(len(store))
+    return idx[~held], idx[held]
+
+
 def _timed_lr(config: TrainConfig, seconds: float) -> float:
     """Warm-up + cosine to 10% over the time budget, as a function of training time spent."""
     frac = min(seconds / (config.max_minutes * 60), 1.0)
@@ -240,9 +258,7 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
         raise ValueError(f"the feature store {config.store_dir} holds no sequences yet")
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    order = np.random.default_rng(config.seed).permutation(len(store))
-    n_val = max(1, int(config.val_fraction * len(store))) if len(store) > 10 else 0
-    val_idx, train_idx = order[:n_val], order[n_val:]
+    train_idx, val_idx = held_out_split(store, config.val_fraction, config.seed)
 
     ckpt = out / "checkpoint"
     state = {"step": 0, "train_seconds": 0.0}

@@ -110,6 +110,10 @@ class FeatureStore:
     def ids(self) -> set[str]:
         return {row["id"] for _, row in self._rows}
 
+    def id_list(self) -> list[str]:
+        """The sequence ids in index order."""
+        return [row["id"] for _, row in self._rows]
+
     def __len__(self) -> int:
         return len(self._rows)
 
