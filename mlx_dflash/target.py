@@ -2,47 +2,262 @@
 
 mlx-lm models have no hook for hidden states, so `Target.forward` runs the same modules the
 model's own ``__call__`` runs (embedding, layers with the model's masks, final norm, head) and
-keeps the outputs of the tap layers. The model's parameter tree is never touched. On creation the
-forward is checked against ``model(x, cache)`` once, so an architecture whose forward differs
-(embedding scale, extra inputs) fails loudly instead of silently changing the output.
+keeps the outputs of the tap layers. The model's parameter tree is never touched and no mlx-lm
+code is patched. What differs between architectures (which layers use which attention, sliding
+windows, embedding scale) is in the table ``FAMILIES``, keyed by the mlx-lm module that defines
+the decoder stack; an architecture outside the table is refused at load. On creation the forward
+is also checked against ``model(x, cache)`` once, so a model whose forward differs anyway fails
+loudly instead of silently changing the output.
+
+Rollback after a partial accept is exact for every cache kind the table uses:
+
+* full attention (``KVCache``): trimmed in place (mlx-lm's ``trim``);
+* sliding window (``RotatingKVCache``): a multi-token pass leaves the buffer in temporal order,
+  so the rejected tail is cut off; after a one-token pass mlx-lm's ``trim`` is exact;
+* Gated DeltaNet (``ArraysCache``: conv window + recurrent state; qwen3_next, qwen3_5): the state
+  before the pass is kept (a reference, no copy) with the layer's inputs in the pass; rollback
+  restores it and feeds the accepted positions through the layer's linear attention again
+  ("replay"). Keeping the state after every position instead ("per_position") is implemented
+  too, for measurement: scripts/rollback_cost.py and BENCHMARKS.md explain the choice.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.cache import (
+    ArraysCache,
+    RotatingKVCache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
+
+# Layer kinds, named as in Hugging Face configs' ``layer_types``.
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+RECURRENT = "linear_attention"
+
+REPLAY = "replay"
+PER_POSITION = "per_position"
+RECURRENT_ROLLBACK = REPLAY  # measured cheaper at every block size (BENCHMARKS.md)
 
 
 class UnsupportedTargetError(ValueError):
     pass
 
 
-class Target:
-    """Wraps an mlx-lm model; owns all knowledge of mlx-lm model internals."""
+# -- per-family facts ---------------------------------------------------------------------------
+def _all_full(inner: nn.Module) -> list[str]:
+    return [FULL] * len(inner.layers)
 
-    def __init__(self, model: nn.Module, check: bool = True):
-        inner = getattr(model, "model", None)
+
+def _llama_kinds(inner: nn.Module) -> list[str]:
+    return [SLIDING if layer.use_sliding else FULL for layer in inner.layers]
+
+
+def _hybrid_kinds(inner: nn.Module) -> list[str]:
+    return [RECURRENT if layer.is_linear else FULL for layer in inner.layers]
+
+
+def _gpt_oss_kinds(inner: nn.Module) -> list[str]:
+    return [FULL if kind == "full_attention" else SLIDING for kind in inner.layer_types]
+
+
+def _gemma3_kinds(inner: nn.Module) -> list[str]:
+    p = inner.sliding_window_pattern
+    return [FULL if i % p == p - 1 else SLIDING for i in range(len(inner.layers))]
+
+
+def _gemma_embed_scale(inner: nn.Module, h: mx.array) -> mx.array:
+    # Gemma multiplies embeddings by sqrt(hidden_size), rounded to bfloat16 as mlx-lm does.
+    return h * mx.array(inner.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a decoder stack's ``__call__`` does beyond embed -> layers -> norm."""
+
+    layer_kinds: Callable[[nn.Module], list[str]]  # FULL / SLIDING / RECURRENT per layer
+    window: Callable[[nn.Module], int | None] = lambda inner: None  # sliding-window size
+    embed_scale: Callable[[nn.Module, mx.array], mx.array] | None = None
+
+
+# Keyed by the mlx-lm module defining the decoder stack (``type(model.model).__module__``), so
+# model types mlx-lm maps onto these modules (mistral -> llama), and the multimodal wrappers
+# around them (qwen3_5_moe, gemma3), are covered by the same facts.
+FAMILIES = {
+    "llama": Family(_llama_kinds, window=lambda inner: inner.sliding_window),
+    "qwen2": Family(_all_full),
+    "qwen3": Family(_all_full),
+    "qwen3_moe": Family(_all_full),
+    "qwen3_next": Family(_hybrid_kinds),
+    "qwen3_5": Family(_hybrid_kinds),
+    "gpt_oss": Family(_gpt_oss_kinds, window=lambda inner: inner.window_size),
+    "gemma3_text": Family(_gemma3_kinds, window=lambda inner: inner.window_size,
+                          embed_scale=_gemma_embed_scale),
+}
+
+
+# -- Gated DeltaNet layers (qwen3_next, qwen3_5): x + linear_attn(norm(x)), then the MLP ----------
+def _replay_recurrent(layer: nn.Module, h: mx.array, cache: ArraysCache) -> None:
+    """Feed the layer's linear attention inputs it saw before, to advance its conv window and
+    recurrent state; the output is discarded, so it is never computed."""
+    x = layer.input_layernorm(h)
+    layer.linear_attn(x, create_ssm_mask(x, cache), cache)
+
+
+def _recurrent_layer_per_position(
+    layer: nn.Module, h: mx.array, cache: ArraysCache
+) -> tuple[mx.array, list[list[Any]]]:
+    """The layer's output, with its linear attention run one position at a time so that the
+    cache arrays after every position can be kept. Same arithmetic as the layer's own call."""
+    x = layer.input_layernorm(h)
+    outputs, states = [], []
+    for t in range(x.shape[1]):
+        outputs.append(layer.linear_attn(x[:, t : t + 1], None, cache))
+        states.append(list(cache.cache))
+    h = h + mx.concatenate(outputs, axis=1)
+    return h + layer.mlp(layer.post_attention_layernorm(h)), states
+
+
+# -- what rolling back a pass needs -------------------------------------------------------------
+@dataclass
+class _RecurrentRecord:
+    layer: nn.Module
+    cache: ArraysCache
+    before: list[Any]  # the cache arrays before the pass (references: arrays are immutable)
+    inputs: mx.array | None = None  # replay: the layer's inputs in the pass
+    states: list[list[Any]] | None = None  # per position: the cache arrays after each one
+
+    def restore(self, kept: int) -> None:
+        """Set the cache to its state after the first ``kept`` positions of the pass."""
+        if self.states is not None:
+            self.cache.cache = list(self.states[kept - 1] if kept else self.before)
+            return
+        self.cache.cache = list(self.before)
+        if kept:
+            _replay_recurrent(self.layer, self.inputs[:, :kept], self.cache)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this record keeps alive beyond the cache itself."""
+        kept = [self.inputs] if self.inputs is not None else []
+        for state in self.states or []:
+            kept += state
+        return sum(a.nbytes for a in kept if a is not None)
+
+
+@dataclass
+class _PassRecord:
+    num_tokens: int
+    recurrent: list[_RecurrentRecord] | None  # None: recurrent layers were not recorded
+
+
+class TargetCache(list):
+    """The model's per-layer caches, plus what an exact rollback of the last pass needs."""
+
+    def __init__(self, caches: Sequence[Any]):
+        super().__init__(caches)
+        self.last_pass: _PassRecord | None = None
+
+    @property
+    def rollback_nbytes(self) -> int:
+        """Bytes held for rolling back the last pass (recurrent layers' inputs or states)."""
+        if self.last_pass is None or not self.last_pass.recurrent:
+            return 0
+        return sum(r.nbytes for r in self.last_pass.recurrent)
+
+
+def _trim_rotating(cache: RotatingKVCache, n: int, pass_tokens: int) -> None:
+    if pass_tokens == 1:
+        # A one-token pass wrote one slot in place. Moving the write position back is exact:
+        # the key it overwrote (the oldest) is outside the window of every later position.
+        cache.trim(n)
+        return
+    # A multi-token pass left the buffer in temporal order, ending with the pass: cut the
+    # rejected tail (mlx-lm's trim would leave it in the buffer once the window is full).
+    keys, values, offset, keep, max_size, idx = cache.state
+    if idx != keys.shape[2]:
+        raise RuntimeError("rotating cache is not in the layout a multi-token pass leaves")
+    cache.state = (keys[..., : idx - n, :], values[..., : idx - n, :], offset - n, keep,
+                   max_size, idx - n)
+
+
+def _only_kv(cache: Sequence[Any]) -> bool:
+    """All layers trimmable at any depth (plain / quantized KV caches)."""
+    return all(
+        not isinstance(c, (RotatingKVCache, ArraysCache)) and c.is_trimmable() for c in cache
+    )
+
+
+# -- the adapter --------------------------------------------------------------------------------
+def _text_model(model: nn.Module) -> nn.Module:
+    """The language model inside a multimodal wrapper (qwen3_5, gemma3), else the model."""
+    lm = getattr(model, "language_model", None)
+    return lm if isinstance(lm, nn.Module) and hasattr(lm, "model") else model
+
+
+class Target:
+    """Wraps an mlx-lm model; owns all knowledge of mlx-lm model internals.
+
+    ``model`` is the language model (for a multimodal wrapper, its ``language_model``);
+    ``recurrent_rollback`` chooses how Gated DeltaNet states are rolled back (``"replay"`` or
+    ``"per_position"``; both exact).
+    """
+
+    def __init__(
+        self, model: nn.Module, check: bool = True, recurrent_rollback: str = RECURRENT_ROLLBACK
+    ):
+        text_model = _text_model(model)
+        inner = getattr(text_model, "model", None)
         if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
             raise UnsupportedTargetError(
                 f"target model {type(model).__module__} has no .model.layers / .model.embed_tokens;"
                 " only standard decoder-only mlx-lm models are supported"
             )
-        self.model = model
+        if recurrent_rollback not in (REPLAY, PER_POSITION):
+            raise ValueError(f"recurrent_rollback must be '{REPLAY}' or '{PER_POSITION}'")
+        args = text_model.args
+        outer_args = getattr(model, "args", args)
+        self.model_type = getattr(outer_args, "model_type", None) or type(model).__module__
+        self.family = self._family(inner)
+        if getattr(inner, "pipeline_size", 1) > 1:
+            raise UnsupportedTargetError("pipeline-parallel targets are not supported")
+        self.model = text_model
         self.inner = inner
-        args = getattr(model, "args", None)
-        self.model_type = getattr(args, "model_type", type(model).__module__.split(".")[-1])
         self.num_layers = len(inner.layers)
         self.hidden_size = int(args.hidden_size)
         self.vocab_size = int(args.vocab_size)
         self.tied = bool(getattr(args, "tie_word_embeddings", False)) or not hasattr(
-            model, "lm_head"
+            text_model, "lm_head"
         )
+        self.layer_kinds = self.family.layer_kinds(inner)
+        self.window = self.family.window(inner)
+        # Masks are built once per pass from the first layer of each kind, as mlx-lm does.
+        self._first_of_kind = {k: self.layer_kinds.index(k) for k in set(self.layer_kinds)}
+        self.recurrent_rollback = recurrent_rollback
+        self._check_caches()
         if check:
-            self._check_forward()
+            self._check_forward(model)
+
+    def _family(self, inner: nn.Module) -> Family:
+        module = type(inner).__module__
+        name = module.rsplit(".", 1)[-1]
+        if not module.startswith("mlx_lm.models.") or name not in FAMILIES:
+            raise UnsupportedTargetError(
+                f"model type '{self.model_type}' ({module}) is not a supported target; "
+                f"supported mlx-lm families: {', '.join(FAMILIES)}"
+            )
+        return FAMILIES[name]
+
+    @property
+    def args(self) -> Any:
+        """The language model's ModelArgs (hidden size, heads, ...)."""
+        return self.model.args
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -52,7 +267,12 @@ class Target:
 
     # -- the pieces the drafter shares ------------------------------------------------------
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.inner.embed_tokens(tokens)
+        """Token embeddings as the first layer sees them (scaled where the family scales them,
+        as Hugging Face's embedding modules do, so drafters trained on HF targets match)."""
+        h = self.inner.embed_tokens(tokens)
+        if self.family.embed_scale is not None:
+            h = self.family.embed_scale(self.inner, h)
+        return h
 
     def lm_head(self, hidden: mx.array) -> mx.array:
         if self.tied:
@@ -71,64 +291,131 @@ class Target:
         return layer.weight[ids]
 
     # -- forward with features ---------------------------------------------------------------
-    def make_cache(self) -> list[Any]:
-        return make_prompt_cache(self.model)
+    def make_cache(self) -> TargetCache:
+        return TargetCache(make_prompt_cache(self.model))
 
     def hidden_states(
-        self, tokens: mx.array, cache: list[Any] | None, layer_ids: Sequence[int]
+        self,
+        tokens: mx.array,
+        cache: list[Any] | None,
+        layer_ids: Sequence[int],
+        record: bool = False,
     ) -> tuple[mx.array, mx.array | None]:
-        """Run the decoder stack. Returns (final post-norm hidden, concatenated tap features)."""
-        inner = self.inner
-        h = inner.embed_tokens(tokens)
+        """Run the decoder stack. Returns (final post-norm hidden, concatenated tap features).
+
+        With ``record`` (and a cache from ``make_cache``), keep what rolling back part of this
+        pass needs for recurrent layers (their inputs or per-position states).
+        """
+        h = self.embed(tokens)
         if cache is None:
             cache = [None] * self.num_layers
         masks = self._masks(h, cache)
+        tracked = isinstance(cache, TargetCache)
+        recurrent = [] if record and tracked else None
         taps = {}
         wanted = set(layer_ids)
-        for i, (layer, c) in enumerate(zip(inner.layers, cache)):
-            h = layer(h, masks[i], c)
+        for i, (layer, c) in enumerate(zip(self.inner.layers, cache)):
+            if recurrent is not None and self.layer_kinds[i] == RECURRENT:
+                h = self._recorded_recurrent_layer(layer, h, masks[i], c, recurrent)
+            else:
+                h = layer(h, masks[i], c)
             if i in wanted:
                 taps[i] = h
+        if tracked:
+            cache.last_pass = _PassRecord(tokens.shape[1], recurrent)
         features = mx.concatenate([taps[i] for i in layer_ids], axis=-1) if layer_ids else None
-        return inner.norm(h), features
+        return self.inner.norm(h), features
 
     def forward(
         self, tokens: mx.array, cache: list[Any] | None, layer_ids: Sequence[int] = ()
     ) -> tuple[mx.array, mx.array | None]:
-        """Logits (equal to ``model(tokens, cache)``) and the tap-layer features."""
-        h, features = self.hidden_states(tokens, cache, layer_ids)
+        """Logits (equal to ``model(tokens, cache)``) and the tap-layer features; the pass can
+        be rolled back with ``rollback``."""
+        h, features = self.hidden_states(tokens, cache, layer_ids, record=True)
         return self.lm_head(h), features
 
+    def _recorded_recurrent_layer(
+        self, layer: nn.Module, h: mx.array, mask: Any, cache: ArraysCache,
+        records: list[_RecurrentRecord],
+    ) -> mx.array:
+        record = _RecurrentRecord(layer, cache, list(cache.cache))
+        records.append(record)
+        if self.recurrent_rollback == PER_POSITION and mask is None:
+            h, record.states = _recurrent_layer_per_position(layer, h, cache)
+            return h
+        record.inputs = h
+        return layer(h, mask, cache)
+
     def _masks(self, h: mx.array, cache: list[Any]) -> list[Any]:
-        inner = self.inner
-        # llama.py (and its derivatives) mix full and sliding-window layers with two masks.
-        if hasattr(inner, "fa_idx"):
-            fa_mask = create_attention_mask(h, cache[inner.fa_idx])
-            swa_idx = getattr(inner, "swa_idx", None)
-            swa_mask = None
-            if swa_idx is not None:
-                swa_mask = create_attention_mask(
-                    h, cache[swa_idx], window_size=inner.sliding_window
-                )
-            return [
-                swa_mask if getattr(layer, "use_sliding", False) else fa_mask
-                for layer in inner.layers
-            ]
-        mask = create_attention_mask(h, cache[0])
-        return [mask] * self.num_layers
+        masks = {}
+        for kind, i in self._first_of_kind.items():
+            if kind == RECURRENT:
+                masks[kind] = create_ssm_mask(h, cache[i])
+            else:
+                window = self.window if kind == SLIDING else None
+                masks[kind] = create_attention_mask(h, cache[i], window_size=window)
+        return [masks[kind] for kind in self.layer_kinds]
 
     @staticmethod
     def rollback(cache: list[Any], num_tokens: int) -> None:
-        """Drop the last ``num_tokens`` positions from a KV cache (after a partial accept)."""
-        if num_tokens > 0:
+        """Drop the last ``num_tokens`` positions from every layer's cache (after a partial
+        accept). Beyond plain KV caches this rolls back within the last pass only, which needs
+        a cache from ``make_cache`` and the pass run by ``forward``."""
+        if num_tokens <= 0:
+            return
+        record = getattr(cache, "last_pass", None)
+        if _only_kv(cache) and (record is None or num_tokens > record.num_tokens):
             trim_prompt_cache(cache, num_tokens)
-
-    def _check_forward(self) -> None:
-        probe = mx.array([[1, 2, 3, 4]]) % self.vocab_size
-        expected = self.model(probe, cache=make_prompt_cache(self.model))
-        got, _ = self.forward(probe, make_prompt_cache(self.model))
-        if expected.shape != got.shape or not mx.array_equal(expected, got).item():
-            raise UnsupportedTargetError(
-                f"model type '{self.model_type}': the feature-tapping forward does not reproduce "
-                "model(x) exactly; this architecture is not supported yet"
+            return
+        if record is None or num_tokens > record.num_tokens:
+            raise ValueError(
+                f"cannot roll back {num_tokens} positions: sliding-window and recurrent caches "
+                "roll back within the last pass only, in a cache from Target.make_cache()"
             )
+        has_recurrent = any(isinstance(c, ArraysCache) for c in cache)
+        if has_recurrent and record.recurrent is None:
+            raise ValueError("the last pass did not record its recurrent layers: run it with "
+                             "Target.forward (or hidden_states(..., record=True))")
+        for c in cache:
+            if isinstance(c, RotatingKVCache):
+                _trim_rotating(c, num_tokens, record.num_tokens)
+            elif not isinstance(c, ArraysCache):
+                c.trim(num_tokens)
+        for rec in record.recurrent or []:
+            rec.restore(record.num_tokens - num_tokens)
+        cache.last_pass = None  # a second rollback would need the pass before
+
+    # -- load-time checks --------------------------------------------------------------------
+    def _check_caches(self) -> None:
+        """Each layer's cache is a kind whose rollback this module knows."""
+        expected = {FULL: "KVCache", SLIDING: "RotatingKVCache", RECURRENT: "ArraysCache"}
+        for i, (kind, c) in enumerate(zip(self.layer_kinds, make_prompt_cache(self.model))):
+            ok = {
+                FULL: not isinstance(c, (RotatingKVCache, ArraysCache)) and c.is_trimmable(),
+                SLIDING: isinstance(c, RotatingKVCache),
+                RECURRENT: isinstance(c, ArraysCache),
+            }[kind]
+            if not ok:
+                raise UnsupportedTargetError(
+                    f"model type '{self.model_type}': layer {i} ({kind}) has a "
+                    f"{type(c).__name__}, expected a {expected[kind]}; not supported"
+                )
+
+    def _check_forward(self, model: nn.Module) -> None:
+        """Our forward equals ``model(x, cache)`` on a fresh cache and on a continuation."""
+        probe = mx.array([[1, 2, 3, 4, 5, 6, 7]]) % self.vocab_size
+        ref_cache, our_cache = make_prompt_cache(model), self.make_cache()
+        for chunk in (probe[:, :4], probe[:, 4:]):
+            expected = model(chunk, cache=ref_cache)
+            got, _ = self.forward(chunk, our_cache)
+            same = expected.shape == got.shape and (
+                mx.array_equal(expected, got).item()
+                if self.recurrent_rollback == REPLAY or RECURRENT not in self.layer_kinds
+                # One position at a time may round differently from the model's batched call.
+                else mx.allclose(expected, got, rtol=1e-4, atol=1e-4).item()
+            )
+            if not same:
+                raise UnsupportedTargetError(
+                    f"model type '{self.model_type}': the feature-tapping forward does not "
+                    "reproduce model(x) exactly; this architecture is not supported yet"
+                )

@@ -136,3 +136,86 @@ def save_target(model, tokenizer: TokenizerWrapper, path, chat_template: str | N
         hf.chat_template = chat_template
     hf.save_pretrained(str(path))
     return path
+
+
+# Every target family mlx_dflash.target covers, as the model types mlx-lm loads them.
+FAMILY_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe",
+                "gpt_oss", "gemma3_text")
+WINDOW = 8  # sliding windows this small wrap within a short test
+
+
+def family_config(model_type: str, vocab_size: int, hidden_size: int, num_layers: int,
+                  tied: bool, window: int = WINDOW) -> dict:
+    """A tiny config.json for one family: two attention layers out of four are sliding-window
+    (llama, gpt_oss, gemma3_text) or full attention among Gated DeltaNet layers (qwen3_next,
+    qwen3_5); MoE families route 2 of 4 experts."""
+    heads, head_dim = 4, hidden_size // 4
+    config = dict(
+        model_type=model_type, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        intermediate_size=2 * hidden_size, num_attention_heads=heads, num_key_value_heads=2,
+        head_dim=head_dim, rms_norm_eps=1e-6, vocab_size=vocab_size, rope_theta=10000.0,
+        tie_word_embeddings=tied, max_position_embeddings=4096,
+    )
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2,
+               decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    linear = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                  linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
+                  partial_rotary_factor=0.5)
+    if model_type == "llama":
+        config.update(sliding_window=window, layer_types=["sliding_attention", "full_attention"]
+                      * (num_layers // 2))
+    elif model_type == "qwen3_moe":
+        config.update(**moe)
+    elif model_type == "qwen3_next":
+        config.update(**moe, **linear, shared_expert_intermediate_size=hidden_size // 2)
+    elif model_type in ("qwen3_5", "qwen3_5_moe"):
+        config.update(**linear, rope_parameters={"type": "default", "rope_theta": 10000.0,
+                                               "partial_rotary_factor": 0.5,
+                                               "mrope_section": [2, 1, 1]})
+        if model_type == "qwen3_5_moe":
+            config.update(**moe, shared_expert_intermediate_size=hidden_size // 2)
+    elif model_type == "gpt_oss":
+        config.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=window,
+                      layer_types=["sliding_attention", "full_attention"] * (num_layers // 2))
+    elif model_type == "gemma3_text":
+        config.update(sliding_window=window, sliding_window_pattern=2,
+                      query_pre_attn_scalar=head_dim)
+    return config
+
+
+def make_family_target(
+    model_type: str,
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    tied: bool = True,
+    seed: int = 0,
+    scale: float = 3.0,
+    window: int = WINDOW,
+    bits: int | None = None,
+):
+    """A random float32 model of any covered family, built from mlx-lm's own ModelArgs; matrices
+    (and expert stacks) scaled up so logits have clear gaps. ``bits``: quantize it the way
+    ``mlx_lm.convert`` does (mlx_lm.utils.quantize_model, group size 32)."""
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    config = family_config(model_type, vocab_size, hidden_size, num_layers, tied, window)
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+
+    def scaled(path, p):
+        if p.ndim in (2, 3) and "conv1d" not in path:
+            return p * scale
+        if path.endswith("sinks"):  # gpt-oss attention sinks start at zero: make them matter
+            return mx.random.normal(p.shape)
+        return p
+
+    from mlx.utils import tree_map_with_path
+
+    model.update(tree_map_with_path(scaled, model.parameters()))
+    mx.eval(model.parameters())
+    if bits is not None:
+        from mlx_lm.utils import quantize_model
+
+        model, _ = quantize_model(model, {}, group_size=32, bits=bits)
+        mx.eval(model.parameters())
+    return model
