@@ -399,15 +399,16 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
     return drafter
 
 
-def calibrate(drafter, target: Target, batch_of: Batches, idx) -> dict:
+def calibrate(drafter, target: Target, batch_of: Batches, idx, anchors: int = 32) -> dict:
     """Fit the confidence head's per-position temperatures on one half of the held-out
-    sequences; report the running product's ECE before and after on the other half."""
+    sequences (``anchors`` blocks from each); report the running product's ECE before and
+    after on the other half."""
     from .calibrate import expected_calibration_error, sequential_temperatures
 
     def collect(part):
         gen, logits, accepted = np.random.default_rng(7), [], []
         for i in part:
-            batch = batch_of(int(i), gen, num_anchors=32)
+            batch = batch_of(int(i), gen, num_anchors=anchors)
             if batch is None:
                 continue
             out, conf = drafter.train_logits(target, batch.features, batch.blocks,
