@@ -1,0 +1,139 @@
+// Helpers every mlx-dflash kernel shares: the threadgroup's layout, reductions and scans.
+//
+// This text is the start of each kernel's `header` for mx.fast.metal_kernel (after MLX's own
+// preamble, which brings in metal_stdlib and `using namespace metal`). The test harness compiles
+// the same text as C++ after metal_kernels/harness/metal_shim.h; so kernels spell Metal names
+// with their namespace (metal::simd_sum), and declare threadgroup arrays with
+// DFLASH_THREADGROUP, which the harness turns into storage its emulated threads share.
+//
+// Every kernel runs one threadgroup per row, with a multiple of 32 threads (whole simdgroups).
+#ifndef DFLASH_COMMON_H
+#define DFLASH_COMMON_H
+
+#ifndef DFLASH_THREADGROUP
+#define DFLASH_THREADGROUP threadgroup
+#endif
+
+// An index no element has: the identity of a min over ids.
+static constant constexpr const uint kNoIndex = 0xFFFFFFFFu;
+// Threadgroups have at most 1024 threads: 32 simdgroups.
+static constant constexpr const int kMaxSimdgroups = 32;
+
+// Where this thread sits in its threadgroup.
+struct Layout {
+  uint tid;
+  uint n_threads;
+  uint lane;
+  uint simd_group;
+  uint n_groups;
+};
+
+inline Layout make_layout(uint tid, uint n_threads, uint lane, uint simd_group) {
+  return Layout{tid, n_threads, lane, simd_group, (n_threads + 31) / 32};
+}
+
+// The contiguous chunk [lo, hi) of n elements that a thread owns. Scans in index order (the
+// inverse CDF, tie ranks) need each thread's elements to be contiguous.
+struct Chunk {
+  uint lo;
+  uint hi;
+};
+
+inline Chunk chunk_of(uint n, Layout tg) {
+  uint size = (n + tg.n_threads - 1) / tg.n_threads;
+  uint lo = metal::min(tg.tid * size, n);
+  return Chunk{lo, metal::min(lo + size, n)};
+}
+
+// Each reduction ends with a barrier: its partials are rewritten by the next one, and a
+// simdgroup may not run ahead while another still reads them.
+
+inline float threadgroup_max(float v, Layout tg, threadgroup float* partials) {
+  v = metal::simd_max(v);
+  if (tg.lane == 0) {
+    partials[tg.simd_group] = v;
+  }
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  v = metal::simd_max(tg.lane < tg.n_groups ? partials[tg.lane] : -INFINITY);
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  return v;
+}
+
+inline float threadgroup_sum(float v, Layout tg, threadgroup float* partials) {
+  v = metal::simd_sum(v);
+  if (tg.lane == 0) {
+    partials[tg.simd_group] = v;
+  }
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  v = metal::simd_sum(tg.lane < tg.n_groups ? partials[tg.lane] : 0.0f);
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  return v;
+}
+
+inline uint threadgroup_min(uint v, Layout tg, threadgroup uint* partials) {
+  v = metal::simd_min(v);
+  if (tg.lane == 0) {
+    partials[tg.simd_group] = v;
+  }
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  v = metal::simd_min(tg.lane < tg.n_groups ? partials[tg.lane] : kNoIndex);
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  return v;
+}
+
+inline uint threadgroup_max(uint v, Layout tg, threadgroup uint* partials) {
+  v = metal::simd_max(v);
+  if (tg.lane == 0) {
+    partials[tg.simd_group] = v;
+  }
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  v = metal::simd_max(tg.lane < tg.n_groups ? partials[tg.lane] : 0u);
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  return v;
+}
+
+// The id of the largest value, lowest id among equals (as mx.argmax). Each thread brings its
+// own best (value, id), kNoIndex when it saw nothing.
+inline uint threadgroup_argmax(float best, uint best_id, Layout tg, threadgroup float* values,
+                               threadgroup uint* ids) {
+  float top = metal::simd_max(best);
+  uint id = metal::simd_min(best == top ? best_id : kNoIndex);
+  if (tg.lane == 0) {
+    values[tg.simd_group] = top;
+    ids[tg.simd_group] = id;
+  }
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  float v = tg.lane < tg.n_groups ? values[tg.lane] : -INFINITY;
+  uint i = tg.lane < tg.n_groups ? ids[tg.lane] : kNoIndex;
+  top = metal::simd_max(v);
+  id = metal::simd_min(v == top ? i : kNoIndex);
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  return id;
+}
+
+// An exclusive prefix sum over the threads in thread order, and the total.
+template <typename T>
+struct Scan {
+  T before;
+  T total;
+};
+
+template <typename T>
+inline Scan<T> threadgroup_scan(T v, Layout tg, threadgroup T* partials) {
+  T before = metal::simd_prefix_exclusive_sum(v);
+  if (tg.lane == 31) {
+    partials[tg.simd_group] = before + v;
+  }
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  T base = T(0);
+  T total = T(0);
+  for (uint g = 0; g < tg.n_groups; g++) {
+    T s = partials[g];
+    base += g < tg.simd_group ? s : T(0);
+    total += s;
+  }
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  return Scan<T>{base + before, total};
+}
+
+#endif  // DFLASH_COMMON_H

@@ -1,0 +1,394 @@
+"""Fused kernels for the per-cycle steps: verification and DFlash 2 path selection.
+
+On an Apple GPU every small MLX op in a cycle is its own launch; each step here is one Metal
+kernel instead (sources in the repository's top-level ``metal_kernels/``, shipped inside the
+package). Every kernel has a pure-MLX path computing the same function, which runs where there
+is no Metal, and against which the kernels are tested (tests/test_kernel_harness.py compiles
+the kernel sources as C++ on any machine).
+
+The choice is made once per process (:func:`backend`): the kernels where
+``mx.metal.is_available()``, the MLX path otherwise; ``MLX_DFLASH_KERNELS=metal`` or ``=mlx``
+forces one. Nothing here syncs with the host.
+
+Randomness comes in as uniforms in [0, 1), so both paths are deterministic functions of their
+inputs; the callers draw them with ``mx.random.uniform``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+# The package's link to the repository's metal_kernels/ (a copy of it inside a wheel).
+KERNEL_DIR = Path(__file__).parent / "metal_kernels"
+
+ENV_SWITCH = "MLX_DFLASH_KERNELS"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """A kernel as mx.fast.metal_kernel takes it: a body file, header files, argument names."""
+
+    name: str
+    body: str
+    headers: tuple[str, ...]
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+
+    def source(self) -> str:
+        return (KERNEL_DIR / self.body).read_text()
+
+    def header(self) -> str:
+        return "".join((KERNEL_DIR / h).read_text() for h in self.headers)
+
+
+VERIFY_GREEDY = KernelSpec(
+    "dflash_verify_greedy", "verify_greedy.metal", ("common.h",),
+    ("logits", "drafts"), ("accepted_len", "next_token"))
+VERIFY_SAMPLE_DENSE = KernelSpec(
+    "dflash_verify_sample_dense", "verify_sample_dense.metal", ("common.h", "verify.h"),
+    ("logits", "drafts", "draft_probs", "uniforms", "inv_temperature", "top_k"),
+    ("accepted_len", "next_token"))
+VERIFY_SAMPLE_CANDIDATES = KernelSpec(
+    "dflash_verify_sample_candidates", "verify_sample_candidates.metal", ("common.h", "verify.h"),
+    ("logits", "drafts", "cand_ids", "cand_probs", "uniforms", "inv_temperature", "top_k"),
+    ("accepted_len", "next_token"))
+PATH_SELECT_GREEDY = KernelSpec(
+    "dflash_path_select_greedy", "path_select_greedy.metal", ("common.h", "path_select.h"),
+    ("first", "rest", "n_steps"), ("picks",))
+PATH_SELECT_SAMPLE = KernelSpec(
+    "dflash_path_select_sample", "path_select_sample.metal", ("common.h", "path_select.h"),
+    ("first", "rest", "uniforms", "n_steps", "inv_temperature"), ("picks", "probs"))
+SPECS = (VERIFY_GREEDY, VERIFY_SAMPLE_DENSE, VERIFY_SAMPLE_CANDIDATES, PATH_SELECT_GREEDY,
+         PATH_SELECT_SAMPLE)
+
+# path_select holds one candidate per lane of a simdgroup.
+MAX_PATH_CANDIDATES = 32
+
+
+@functools.cache
+def backend() -> str:
+    """"metal" or "mlx", decided once per process."""
+    choice = os.environ.get(ENV_SWITCH, "").strip().lower()
+    if choice not in ("", "auto", "metal", "mlx"):
+        raise ValueError(f"{ENV_SWITCH} must be metal, mlx or auto, got {choice!r}")
+    if choice == "metal" and not mx.metal.is_available():
+        raise RuntimeError(f"{ENV_SWITCH}=metal, but there is no Metal GPU")
+    if choice in ("metal", "mlx"):
+        return choice
+    return "metal" if mx.metal.is_available() else "mlx"
+
+
+@functools.cache
+def _kernel(spec: KernelSpec):
+    return mx.fast.metal_kernel(
+        name=spec.name, input_names=list(spec.input_names),
+        output_names=list(spec.output_names), source=spec.source(), header=spec.header())
+
+
+@functools.lru_cache
+def _scalar(value: float | int, dtype: mx.Dtype) -> mx.array:
+    """A cached 0-d array, which a kernel gets as a constant."""
+    return mx.array(value, dtype=dtype)
+
+
+def row_threads(vocab: int) -> int:
+    """Threads of a threadgroup that scans one vocabulary row (whole simdgroups, <= 1024)."""
+    return min(1024, max(32, vocab // 8 // 32 * 32))
+
+
+# ---------------------------------------------------------------------------------------------
+# The MLX path: the same functions in MLX ops.
+
+
+def top_k_mask(x: mx.array, k: int) -> mx.array:
+    """The k largest values of each row of x [..., V]; of the values equal to the k-th
+    largest, the lowest ids (mlx-lm's apply_top_k leaves that choice unspecified)."""
+    V = x.shape[-1]
+    kth = mx.partition(x, V - k, axis=-1)[..., V - k : V - k + 1]
+    above = x > kth
+    ties = x == kth
+    room = k - above.astype(mx.int32).sum(axis=-1, keepdims=True)
+    return above | (ties & (mx.cumsum(ties.astype(mx.int32), axis=-1) <= room))
+
+
+# Sums over a vocabulary go in blocks: one float32 sum over 150k values on the CPU is off by
+# ~1e-4 relative (every probability with it), a sum of block sums by ~1e-7.
+SUM_BLOCK = 1024
+
+
+def _blocks(x: mx.array) -> mx.array:
+    """x [..., N] -> [..., ceil(N / SUM_BLOCK), SUM_BLOCK], zero-padded."""
+    n = x.shape[-1]
+    pad = -n % SUM_BLOCK
+    if pad:
+        x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    return x.reshape(*x.shape[:-1], -1, SUM_BLOCK)
+
+
+def blocked_sum(x: mx.array) -> mx.array:
+    """Sum over the last axis (kept), in blocks."""
+    if x.shape[-1] <= SUM_BLOCK:
+        return x.sum(axis=-1, keepdims=True)
+    return _blocks(x).sum(axis=-1).sum(axis=-1, keepdims=True)
+
+
+def blocked_cumsum(x: mx.array) -> mx.array:
+    """Cumulative sum over the last axis, in blocks."""
+    n = x.shape[-1]
+    if n <= SUM_BLOCK:
+        return mx.cumsum(x, axis=-1)
+    within = mx.cumsum(_blocks(x), axis=-1)
+    before = mx.cumsum(within[..., -1], axis=-1, inclusive=False)
+    return (within + before[..., None]).reshape(*x.shape[:-1], -1)[..., :n]
+
+
+def target_probs(logits: mx.array, temperature: float, top_k: int = 0) -> mx.array:
+    """softmax(x / T) over the top-k tokens (all when top_k is 0), x the float32 logits."""
+    x = logits.astype(mx.float32)
+    scaled = x * (1.0 / temperature)
+    if 0 < top_k < x.shape[-1]:
+        scaled = mx.where(top_k_mask(x, top_k), scaled, -mx.inf)
+    e = mx.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    return e / blocked_sum(e)
+
+
+def sample_index(weights: mx.array, uniforms: mx.array) -> mx.array:
+    """Inverse CDF: per row of weights [B, N] (>= 0, some positive) the first index whose
+    cumulative weight exceeds u * total and whose own weight is positive; the last positive
+    index when rounding leaves none. uniforms [B] in [0, 1). -> uint32 [B].
+
+    The total is the last cumulative weight, not a separate sum: were they to differ by
+    rounding, the difference would go to the last token."""
+    positive = weights > 0
+    cumulative = blocked_cumsum(weights)
+    hit = (cumulative > uniforms[:, None] * cumulative[:, -1:]) & positive
+    last = weights.shape[-1] - 1 - mx.argmax(positive[:, ::-1], axis=-1)
+    return mx.where(hit.any(axis=-1), mx.argmax(hit, axis=-1), last).astype(mx.uint32)
+
+
+def verify_greedy_mlx(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+    """MLX path of :func:`verify_greedy`."""
+    B, L = drafts.shape
+    tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)  # [B, L+1]
+    if L:
+        matches = (drafts.astype(mx.uint32) == tokens[:, :L]).astype(mx.int32)
+        accepted = mx.cumprod(matches, axis=-1).sum(axis=-1)
+    else:
+        accepted = mx.zeros((B,), dtype=mx.int32)
+    token = mx.take_along_axis(tokens, accepted[:, None], axis=-1)[:, 0]
+    return accepted.astype(mx.uint32), token
+
+
+def _verify_sample_mlx(logits, drafts, uniforms, temperature, top_k, q_of_drafts, residual_at):
+    """The rejection step, given q at the drafts [B, L] and the residual of a row."""
+    B, P, _ = logits.shape
+    L = P - 1
+    p = target_probs(logits, temperature, top_k)  # [B, L+1, V]
+    if L:
+        idx = drafts.astype(mx.int32)[..., None]
+        p_d = mx.take_along_axis(p[:, :L], idx, axis=-1)[..., 0]
+        accept = uniforms[:, :L] * q_of_drafts(idx) < p_d
+        accepted = mx.cumprod(accept.astype(mx.int32), axis=-1).sum(axis=-1)
+    else:
+        accepted = mx.zeros((B,), dtype=mx.int32)
+    p_row = mx.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]  # [B, V]
+    residual = residual_at(p_row, accepted) if L else p_row
+    # Zero residual mass only happens when p == q; then p itself is the right distribution.
+    mass = blocked_sum(residual)
+    weights = mx.where(mass > 0, residual, p_row)
+    return accepted.astype(mx.uint32), sample_index(weights, uniforms[:, L])
+
+
+def _proposal_row(table: mx.array, accepted: mx.array,
+                  drafted: int) -> tuple[mx.array, mx.array]:
+    """Row ``accepted`` of table [B, L, ...] (the last where accepted == L), and whether that
+    position has a proposal at all [B, 1] (not the bonus position)."""
+    row = mx.minimum(accepted, drafted - 1)[:, None, None]
+    present = (accepted < drafted)[:, None]
+    return mx.take_along_axis(table, row, axis=1)[:, 0], present
+
+
+def verify_sample_mlx(logits: mx.array, drafts: mx.array, draft_probs: mx.array,
+                      uniforms: mx.array, temperature: float = 1.0,
+                      top_k: int = 0) -> tuple[mx.array, mx.array]:
+    """MLX path of :func:`verify_sample`."""
+    L = drafts.shape[-1]
+
+    def q_of_drafts(idx):
+        return mx.take_along_axis(draft_probs, idx, axis=-1)[..., 0]
+
+    def residual_at(p_row, accepted):
+        q, present = _proposal_row(draft_probs, accepted, L)
+        return mx.maximum(p_row - q * present, 0.0)
+
+    return _verify_sample_mlx(logits, drafts, uniforms, temperature, top_k, q_of_drafts,
+                              residual_at)
+
+
+def verify_sample_candidates_mlx(logits: mx.array, drafts: mx.array, cand_ids: mx.array,
+                                 cand_probs: mx.array, uniforms: mx.array,
+                                 temperature: float = 1.0,
+                                 top_k: int = 0) -> tuple[mx.array, mx.array]:
+    """MLX path of :func:`verify_sample_candidates`."""
+    L = drafts.shape[-1]
+    cand_ids = cand_ids.astype(mx.uint32)
+
+    def q_of_drafts(idx):
+        hits = cand_ids == idx.astype(mx.uint32)
+        return (hits * cand_probs).sum(axis=-1)
+
+    def residual_at(p_row, accepted):
+        ids, _ = _proposal_row(cand_ids, accepted, L)
+        q, present = _proposal_row(cand_probs, accepted, L)
+        ids = ids.astype(mx.int32)
+        p_at = mx.take_along_axis(p_row, ids, axis=-1)
+        return mx.put_along_axis(p_row, ids, mx.maximum(p_at - q * present, 0.0), axis=-1)
+
+    return _verify_sample_mlx(logits, drafts, uniforms, temperature, top_k, q_of_drafts,
+                              residual_at)
+
+
+def path_select_mlx(first: mx.array, rest: mx.array, uniforms: mx.array | None = None,
+                    temperature: float = 0.0) -> tuple[mx.array, mx.array | None]:
+    """MLX path of :func:`path_select`."""
+    greedy = temperature == 0
+    rows, picks, probs = first, [], []
+    for t in range(rest.shape[1] + 1):
+        if t:  # the scores given the pick at t-1
+            rows = mx.take_along_axis(rest[:, t - 1], picks[-1][:, None, None], axis=1)[:, 0]
+        if greedy:
+            picks.append(mx.argmax(rows, axis=-1).astype(mx.uint32))
+        else:
+            q = mx.softmax(rows.astype(mx.float32) * (1.0 / temperature), axis=-1)
+            probs.append(q)
+            picks.append(sample_index(q, uniforms[:, t]))
+    return mx.stack(picks, axis=1), None if greedy else mx.stack(probs, axis=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Metal path: one launch per call.
+
+
+def _dummy() -> mx.array:
+    """Stands in for an empty input (no drafts): the kernel never reads it."""
+    return _scalar(0, mx.uint32)[None]
+
+
+def verify_greedy_metal(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+    """Metal path of :func:`verify_greedy`."""
+    B, _, V = logits.shape
+    threads = row_threads(V)
+    accepted, token = _kernel(VERIFY_GREEDY)(
+        inputs=[logits, drafts.astype(mx.uint32) if drafts.shape[-1] else _dummy()],
+        grid=(B * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(B,), (B,)], output_dtypes=[mx.uint32, mx.uint32])
+    return accepted, token
+
+
+def _verify_sample_metal(spec, logits, drafts, proposal, uniforms, temperature, top_k,
+                         template):
+    B, P, V = logits.shape
+    threads = row_threads(V)
+    empty = P == 1
+    inputs = [logits, _dummy() if empty else drafts.astype(mx.uint32)]
+    inputs += [_dummy() if empty else a for a in proposal]
+    inputs += [uniforms.astype(mx.float32), _scalar(1.0 / temperature, mx.float32),
+               _scalar(top_k if 0 < top_k < V else 0, mx.int32)]
+    options = {"template": template} if template else {}
+    accepted, token = _kernel(spec)(
+        inputs=inputs, grid=(B * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(B,), (B,)], output_dtypes=[mx.uint32, mx.uint32], **options)
+    return accepted, token
+
+
+def verify_sample_metal(logits, drafts, draft_probs, uniforms, temperature=1.0, top_k=0):
+    """Metal path of :func:`verify_sample`."""
+    return _verify_sample_metal(VERIFY_SAMPLE_DENSE, logits, drafts,
+                                [draft_probs.astype(mx.float32)], uniforms, temperature,
+                                top_k, None)
+
+
+def verify_sample_candidates_metal(logits, drafts, cand_ids, cand_probs, uniforms,
+                                   temperature=1.0, top_k=0):
+    """Metal path of :func:`verify_sample_candidates`."""
+    proposal = [cand_ids.astype(mx.uint32), cand_probs.astype(mx.float32)]
+    return _verify_sample_metal(VERIFY_SAMPLE_CANDIDATES, logits, drafts, proposal, uniforms,
+                                temperature, top_k, [("K", cand_ids.shape[-1])])
+
+
+def path_select_metal(first, rest, uniforms=None, temperature=0.0):
+    """Metal path of :func:`path_select`."""
+    B, K = first.shape
+    n = rest.shape[1] + 1
+    rest = rest.astype(mx.float32) if n > 1 else _dummy()
+    common = dict(template=[("K", K)], grid=(B * 32, 1, 1), threadgroup=(32, 1, 1))
+    if temperature == 0:
+        (picks,) = _kernel(PATH_SELECT_GREEDY)(
+            inputs=[first.astype(mx.float32), rest, _scalar(n, mx.int32)],
+            output_shapes=[(B, n)], output_dtypes=[mx.uint32], **common)
+        return picks, None
+    picks, probs = _kernel(PATH_SELECT_SAMPLE)(
+        inputs=[first.astype(mx.float32), rest, uniforms.astype(mx.float32),
+                _scalar(n, mx.int32), _scalar(1.0 / temperature, mx.float32)],
+        output_shapes=[(B, n), (B, n, K)], output_dtypes=[mx.uint32, mx.float32], **common)
+    return picks, probs
+
+
+# ---------------------------------------------------------------------------------------------
+# The functions the decode loop calls: the kernel where there is Metal, else the MLX path.
+
+
+def verify_greedy(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+    """Greedy verification. logits [B, L+1, V] (the target's, after the anchor and each
+    draft), drafts [B, L] -> (accepted_len [B], next_token [B]), uint32: the drafts accepted
+    (the longest prefix equal to the argmax of its position; lowest id among equal maxima, as
+    mx.argmax) and the argmax at the first mismatch, or at position L (the bonus)."""
+    if backend() == "metal":
+        return verify_greedy_metal(logits, drafts)
+    return verify_greedy_mlx(logits, drafts)
+
+
+def verify_sample(logits: mx.array, drafts: mx.array, draft_probs: mx.array,
+                  uniforms: mx.array, temperature: float = 1.0,
+                  top_k: int = 0) -> tuple[mx.array, mx.array]:
+    """Lossless rejection sampling (Leviathan et al.). logits [B, L+1, V]; drafts [B, L]
+    sampled from draft_probs [B, L, V]; uniforms [B, L+1] in [0, 1).
+
+    p_i = softmax(x_i / T) over the top-k tokens (:func:`top_k_mask`; all when top_k is 0).
+    Draft i is accepted while uniforms[:, i] * q_i(d_i) < p_i(d_i). At the first rejection i
+    the token is sampled from max(p_i - q_i, 0) (p_i when that has no mass), after L
+    acceptances from p_L, by inverse CDF with uniforms[:, L] (:func:`sample_index`).
+    -> (accepted_len [B], next_token [B]), uint32."""
+    if backend() == "metal":
+        return verify_sample_metal(logits, drafts, draft_probs, uniforms, temperature, top_k)
+    return verify_sample_mlx(logits, drafts, draft_probs, uniforms, temperature, top_k)
+
+
+def verify_sample_candidates(logits: mx.array, drafts: mx.array, cand_ids: mx.array,
+                             cand_probs: mx.array, uniforms: mx.array,
+                             temperature: float = 1.0,
+                             top_k: int = 0) -> tuple[mx.array, mx.array]:
+    """:func:`verify_sample` for a proposal on K candidates per position: cand_ids [B, L, K]
+    (distinct within a position) with probabilities cand_probs [B, L, K], zero elsewhere."""
+    if backend() == "metal":
+        return verify_sample_candidates_metal(logits, drafts, cand_ids, cand_probs, uniforms,
+                                              temperature, top_k)
+    return verify_sample_candidates_mlx(logits, drafts, cand_ids, cand_probs, uniforms,
+                                        temperature, top_k)
+
+
+def path_select(first: mx.array, rest: mx.array, uniforms: mx.array | None = None,
+                temperature: float = 0.0) -> tuple[mx.array, mx.array | None]:
+    """The DFlash 2 selector walk over the K candidates of n positions. first [B, K]: scores of
+    position 1's candidates from the anchor; rest [B, n-1, K, K]: scores of position t+1's
+    candidates given each candidate of position t. At temperature 0 each pick is the argmax
+    given the previous pick; else it is sampled from softmax(scores / T) by inverse CDF with
+    uniforms [B, n]. -> (picks [B, n] uint32, the proposals [B, n, K] or None)."""
+    if backend() == "metal" and first.shape[-1] <= MAX_PATH_CANDIDATES:
+        return path_select_metal(first, rest, uniforms, temperature)
+    return path_select_mlx(first, rest, uniforms, temperature)
