@@ -1,8 +1,14 @@
 """Acceptance rules: greedy prefix match and lossless rejection sampling.
 
 Everything here stays lazy (no host sync): the decode loop evaluates the packed result once per
-cycle. Sampling filters are mlx-lm's own (top-p, then top-k, on log-probabilities, temperature
-last, as in ``mlx_lm.sample_utils.make_sampler``), applied identically to target and drafter.
+cycle. Sampling filters are applied as in ``mlx_lm.sample_utils.make_sampler`` (top-p, then
+top-k, on log-probabilities, temperature last), identically to target and drafter: top-p is
+mlx-lm's own; top-k is too, except that of the values equal to the k-th largest it keeps the
+lowest ids (``kernels.top_k_mask``; mlx-lm leaves that choice unspecified), the rule the
+verification kernel follows.
+
+Verification itself runs in ``kernels`` (one Metal kernel per step where there is a Metal GPU,
+the same function in MLX ops otherwise).
 """
 
 from __future__ import annotations
@@ -10,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_top_p
+
+from .kernels import top_k_mask, verify_greedy, verify_sample
 
 
 @dataclass(frozen=True)
@@ -39,7 +47,7 @@ def sampling_logits(logits: mx.array, params: SamplingParams) -> mx.array:
     if 0 < params.top_p < 1.0:
         logprobs = apply_top_p(logprobs, params.top_p)
     if 0 < params.top_k < logprobs.shape[-1]:
-        logprobs = apply_top_k(logprobs, params.top_k)
+        logprobs = mx.where(top_k_mask(logprobs, params.top_k), logprobs, -mx.inf)
     return logprobs * (1.0 / params.temperature)
 
 
@@ -73,15 +81,15 @@ def proposal_from_logits(
 
 
 def greedy_accept(drafts: mx.array, target_logits: mx.array) -> tuple[mx.array, mx.array]:
-    """drafts [K], target_logits [K+1, V] -> (accepted_len [], target tokens [K+1]).
+    """drafts [K], target_logits [K+1, V] -> (accepted_len [], next_tokens [K+1]).
 
-    Token i of the target's choice is what it would emit after the anchor and drafts[:i]; the
-    next token after accepting ``a`` drafts is ``target_tokens[a]``.
+    Row i of the logits is the target's after the anchor and drafts[:i]; ``accepted_len`` drafts
+    match the argmax of their row, and ``next_tokens[accepted_len]`` is the token to emit: the
+    argmax at the first mismatch, or after all K (the bonus). Only that token is computed: every
+    entry of ``next_tokens`` holds it.
     """
-    target_tokens = mx.argmax(target_logits, axis=-1).astype(mx.uint32)
-    matches = (drafts == target_tokens[:-1]).astype(mx.int32)
-    accepted_len = mx.cumprod(matches).sum()
-    return accepted_len, target_tokens
+    accepted, token = verify_greedy(target_logits[None], drafts[None])
+    return accepted[0], mx.broadcast_to(token, (drafts.shape[0] + 1,))
 
 
 def rejection_accept(
@@ -91,20 +99,17 @@ def rejection_accept(
 
     drafts [K] were sampled from draft_probs [K, V]. Accept draft i with probability
     min(1, p_i(d_i) / q_i(d_i)); at the first rejection sample from normalize(max(p - q, 0));
-    after K acceptances sample the bonus from p_K. Returns (accepted_len [], next tokens [K+1])
-    where next_tokens[a] is the token to emit after accepting ``a`` drafts.
+    after K acceptances sample the bonus from p_K (``kernels.verify_sample``, with uniforms
+    drawn here). Returns (accepted_len [], next_tokens [K+1]) where next_tokens[a] is the token
+    to emit after accepting ``a`` drafts (every entry holds it: only that one is computed).
     """
     K = drafts.shape[0]
-    p = mx.softmax(sampling_logits(target_logits, params), axis=-1)  # [K+1, V]
-    idx = drafts.astype(mx.int32)[:, None]
-    p_d = mx.take_along_axis(p[:K], idx, axis=-1)[:, 0]
-    q_d = mx.take_along_axis(draft_probs, idx, axis=-1)[:, 0]
-    u = mx.random.uniform(shape=(K,))
-    accepted_len = mx.cumprod((u * q_d < p_d).astype(mx.int32)).sum()
-    residual = mx.maximum(p[:K] - draft_probs, 0.0)
-    mass = residual.sum(axis=-1, keepdims=True)
-    # Zero residual mass only happens when p == q; then p itself is the right distribution.
-    residual = mx.where(mass > 0, residual, p[:K])
-    corrections = mx.random.categorical(mx.log(residual))
-    bonus = mx.random.categorical(mx.log(p[K:]))
-    return accepted_len, mx.concatenate([corrections, bonus]).astype(mx.uint32)
+    if 0 < params.top_p < 1.0:
+        # top-p stays in MLX ops: verification gets the filtered, scaled logits.
+        logits, temperature, top_k = sampling_logits(target_logits, params), 1.0, 0
+    else:
+        logits, temperature, top_k = target_logits, params.temperature, params.top_k
+    uniforms = mx.random.uniform(shape=(1, K + 1))
+    accepted, token = verify_sample(logits[None], drafts[None], draft_probs[None], uniforms,
+                                    temperature, top_k)
+    return accepted[0], mx.broadcast_to(token, (K + 1,))

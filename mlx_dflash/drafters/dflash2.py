@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..accept import SamplingParams
+from ..kernels import path_select
 from .dflash import DFlashDraftModel
 from .layers import DraftArgs, DraftLayer
 
@@ -124,20 +125,15 @@ class CandidateSelector(nn.Module):
 def walk_path(first: mx.array, rest: mx.array, temperature: float = 0.0
               ) -> tuple[mx.array, mx.array | None]:
     """The selector walk: candidate index per position [n], and at temperature > 0 the
-    proposal over the K candidates [n, K]. The one sequential step of DFlash 2 (a Metal
-    kernel replaces it where there is one); lazy, no host sync."""
-    greedy = temperature == 0
-    rows, picks, probs = first, [], []
-    for t in range(rest.shape[0] + 1):
-        if t:
-            rows = mx.take(rest[t - 1], picks[-1], axis=0)  # scores given the pick at t-1
-        if greedy:
-            picks.append(mx.argmax(rows, axis=-1))
-        else:
-            scaled = rows / temperature
-            picks.append(mx.random.categorical(scaled))
-            probs.append(mx.softmax(scaled, axis=-1))
-    return mx.stack(picks), None if greedy else mx.stack(probs)
+    proposal over the K candidates [n, K]. The one sequential step of DFlash 2: one Metal
+    kernel where there is a Metal GPU (kernels.path_select), MLX ops otherwise; lazy, no host
+    sync."""
+    if temperature == 0:
+        picks, _ = path_select(first[None], rest[None])
+        return picks[0], None
+    uniforms = mx.random.uniform(shape=(1, rest.shape[0] + 1))
+    picks, probs = path_select(first[None], rest[None], uniforms, temperature)
+    return picks[0], probs[0]
 
 
 class DFlash2DraftModel(DFlashDraftModel):
