@@ -144,9 +144,10 @@ class _RecurrentRecord:
 
     @property
     def nbytes(self) -> int:
-        """Bytes this record keeps alive beyond the cache itself."""
-        kept = [self.inputs] if self.inputs is not None else []
-        for state in self.states or []:
+        """Bytes this record keeps alive beyond the cache itself (the last per-position state
+        is the cache's own)."""
+        kept = list(self.before) + ([self.inputs] if self.inputs is not None else [])
+        for state in (self.states or [])[:-1]:
             kept += state
         return sum(a.nbytes for a in kept if a is not None)
 

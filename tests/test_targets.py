@@ -181,6 +181,76 @@ def test_rollback_beyond_the_last_pass_is_refused():
         Target.rollback(plain, 1)
 
 
+# -- the scheduler's passes and mixed plain / drafting cycles -----------------------------------
+@pytest.mark.parametrize("model_type", ["qwen3_5", "gpt_oss", "gemma3_text"])
+def test_scheduler_cycles_on_every_cache_kind(monkeypatch, model_type):
+    """Auto mode: the timing passes roll back whole passes over wrapped windows and recurrent
+    states; pipelined plain cycles then drafting cycles stay lossless."""
+    from mlx_dflash import decode
+    from mlx_dflash.schedule import Scheduler, measure_costs
+
+    model = make_family_target(model_type)
+    drafter = drafter_for(model, 8)
+    costs = measure_costs(Target(model), drafter, 8, reps=1)
+    monkeypatch.setattr(decode, "cached_costs", lambda *a: costs)
+    pattern = iter([0, 0, 3, 0, 2, 0, 0, 0, 4, 7] * 20)
+    monkeypatch.setattr(Scheduler, "choose", lambda self, room, context: min(room, next(pattern)))
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    want, _ = reference(model, prompt, 40)
+    oracle = OracleDrafter(drafter, prompt + want + [0] * 16, 128, 0.2)
+    tokens, stats = [], None
+    for r in stream_generate(model, oracle, make_tokenizer(128), prompt, max_tokens=40,
+                             copy_drafts=False):
+        tokens, stats = tokens + r.tokens, r.stats
+    assert_same_or_near_tie(model, prompt, tokens, want)
+    assert 0 in stats.draft_lengths and max(stats.draft_lengths) > 1
+
+
+# -- drafters against these targets ------------------------------------------------------------
+@pytest.mark.parametrize("model_type", FAMILY_TYPES)
+def test_check_fits_every_family(model_type):
+    from mlx_dflash.drafters import DrafterMismatchError, check_fits
+
+    model = make_family_target(model_type)
+    check_fits(drafter_for(model, 4), model)
+    for field, value, message in [("hidden_size", 32, "hidden_size"),
+                                  ("vocab_size", 129, "vocab_size"),
+                                  ("target_layer_ids", [0, 4], "target_layer_ids"),
+                                  ("num_target_layers", 6, "num_target_layers")]:
+        drafter = drafter_for(model, 4)
+        setattr(drafter.args, field, value)
+        with pytest.raises(DrafterMismatchError, match=message):
+            check_fits(drafter, model)
+
+
+PUBLISHED_STYLE = {  # drafter config fields published drafters for these targets use
+    "sliding": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+    "yarn": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                               "original_max_position_embeddings": 1024}),
+    "llama3": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 1024}),
+}
+
+
+@pytest.mark.parametrize("style", list(PUBLISHED_STYLE))
+@pytest.mark.parametrize("model_type", ["qwen3_5", "gpt_oss", "gemma3_text"])
+def test_published_drafter_configs_load_and_run(tmp_path, model_type, style):
+    from mlx_dflash import load_drafter, save_drafter
+
+    model = make_family_target(model_type)
+    drafter = make_drafter(text_model(model), block_size=4, layer_ids=(0, 1, 3), num_layers=2,
+                           **PUBLISHED_STYLE[style])
+    save_drafter(drafter, tmp_path / "d")
+    loaded = load_drafter(tmp_path / "d", model=model)
+    assert loaded.args.layer_types == drafter.args.layer_types
+    assert loaded.args.rope_scaling == drafter.args.rope_scaling
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    want, _ = reference(model, prompt, 16)
+    got, _, _ = speculative(model, loaded, make_tokenizer(128), prompt, 16, 4)
+    assert_same_or_near_tie(model, prompt, got, want)
+
+
 # -- greedy: token for token equal to mlx-lm's own greedy decoding --------------------------------
 def cycle_kinds(model, drafter, tok, prompt, max_tokens, block_size, copy_drafts=True):
     """Speculative tokens, and whether some cycle accepted nothing / everything it drafted."""
