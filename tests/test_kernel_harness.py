@@ -406,6 +406,40 @@ def test_verify_sample_point_mass_candidates():
     assert ties < rows
 
 
+@pytest.mark.parametrize("top_k,kind", [(0, "dense"), (3, "dense"), (0, "candidates")])
+def test_verify_sample_kernel_emits_the_target_distribution(top_k, kind):
+    """The first emitted token of 4,000 rows (a draft from q, accepted or not) follows p:
+    chi-square below dof + 5 sqrt(2 dof), and no token of probability 0."""
+    rng = np.random.default_rng(20 + top_k)
+    B, L, V, T = 4000, 2, 8, 0.9
+    logits = np.broadcast_to((rng.standard_normal((L + 1, V)) * 1.5).astype(np.float32),
+                             (B, L + 1, V))
+    keep = top_k_keep(logits[0, 0], top_k)
+    p0 = np.where(keep, softmax64(np.where(keep, logits[0, 0] / T, -np.inf)), 0.0)
+    q = np.abs(rng.standard_normal((L, V))) + 0.05
+    if kind == "candidates":  # 3 candidates per position
+        ids = np.stack([rng.choice(V, 3, replace=False) for _ in range(L)]).astype(np.uint32)
+        probs = np.take_along_axis(q, ids.astype(np.int64), -1)
+        probs /= probs.sum(-1, keepdims=True)
+        drafts = np.stack([ids[i, rng.choice(3, B, p=probs[i])] for i in range(L)], 1)
+        proposal = ("candidates", np.broadcast_to(ids, (B, L, 3)),
+                    np.broadcast_to(probs.astype(np.float32), (B, L, 3)))
+    else:
+        q /= q.sum(-1, keepdims=True)
+        drafts = np.stack([rng.choice(V, B, p=q[i]) for i in range(L)], 1)
+        proposal = ("dense", np.broadcast_to(q.astype(np.float32), (B, L, V)))
+    u = rng.random((B, L + 1)).astype(np.float32)
+    accepted, token = harness_verify_sample(logits, drafts.astype(np.uint32), proposal, u, T,
+                                            top_k, 32)
+    first = np.where(accepted > 0, drafts[:, 0], token)
+    counts = np.bincount(first, minlength=V)
+    assert counts[p0 == 0].sum() == 0
+    expected = p0[p0 > 0] * B
+    stat = ((counts[p0 > 0] - expected) ** 2 / expected).sum()
+    dof = (p0 > 0).sum() - 1
+    assert stat < dof + 5 * np.sqrt(2 * dof), f"chi2 {stat:.1f} with {dof} dof"
+
+
 # ---------------------------------------------------------------------------------------------
 # path_select
 

@@ -2,7 +2,9 @@
 // text (metal_kernels/*.h and *.metal) compiles and runs as C++ on a machine without Metal
 // (tests/kernel_harness.py generates the translation unit and drives it).
 //
-// Threads. The threads of a threadgroup are fibers (ucontext) on one OS thread. A fiber runs
+// Threads. The threads of a threadgroup are fibers on one OS thread (a few lines of assembly
+// switch stacks on x86-64; ucontext elsewhere, ~10x slower for its signal-mask syscalls). A
+// fiber runs
 // until it reaches a threadgroup_barrier or a simdgroup collective (simd_sum, ...), where it
 // waits until every thread of its threadgroup (barrier) or simdgroup (collective) has arrived.
 // Then the scheduler resumes the waiting fiber that comes first in the launch's order:
@@ -45,11 +47,69 @@ struct uint3 {
 
 namespace harness {
 
+// A fiber's saved state: its stack pointer (the callee-saved registers are on its stack).
+#if defined(__x86_64__) && !defined(DFLASH_HARNESS_UCONTEXT)
+extern "C" void dflash_harness_switch(void** save_sp, void* load_sp);
+asm(R"(
+.text
+.globl dflash_harness_switch
+.hidden dflash_harness_switch
+.type dflash_harness_switch, @function
+dflash_harness_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+.size dflash_harness_switch, .-dflash_harness_switch
+)");
+
+struct Context {
+  void* sp = nullptr;
+};
+
+inline void switch_context(Context& from, Context& to) { dflash_harness_switch(&from.sp, to.sp); }
+
+// A stack that "returns" into entry with the alignment of a call, below six zeroed registers.
+inline void make_context(Context& c, char* stack, size_t size, void (*entry)()) {
+  auto top = reinterpret_cast<uintptr_t>(stack + size) & ~uintptr_t(15);
+  auto* sp = reinterpret_cast<void**>(top);
+  *--sp = nullptr;  // entry's return address: it never returns
+  *--sp = reinterpret_cast<void*>(entry);
+  for (int r = 0; r < 6; r++) *--sp = nullptr;
+  c.sp = sp;
+}
+#else
+struct Context {
+  ucontext_t uc;
+};
+
+inline void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+
+inline void make_context(Context& c, char* stack, size_t size, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = size;
+  c.uc.uc_link = nullptr;  // entry never returns
+  makecontext(&c.uc, entry, 0);
+}
+#endif
+
 enum Order { kForward = 0, kReverse = 1, kShuffled = 2, kRoundRobin = 3 };
 enum class Wait { kRunnable, kBarrier, kSimd, kDone };
 
 struct Fiber {
-  ucontext_t context;
+  Context context;
   uint index = 0;
   Wait wait = Wait::kRunnable;
 };
@@ -65,7 +125,7 @@ struct SimdGroup {
 struct Threadgroup {
   std::vector<Fiber> fibers;
   std::vector<SimdGroup> simd;
-  ucontext_t scheduler;
+  Context scheduler;
   Fiber* current = nullptr;
   int barrier_arrived = 0;
   std::string error;
@@ -77,7 +137,7 @@ inline thread_local Threadgroup* active = nullptr;
 // Back to the scheduler; returns when the scheduler resumes this fiber.
 inline void yield() {
   Threadgroup& tg = *active;
-  swapcontext(&tg.current->context, &tg.scheduler);
+  switch_context(tg.current->context, tg.scheduler);
 }
 
 // Stop this fiber for good after an error (the scheduler never resumes it).
@@ -140,11 +200,12 @@ inline T collective(const char* op, T value, Combine combine) {
   return r;
 }
 
-inline void fiber_entry() {
+[[noreturn]] inline void fiber_entry() {
   Threadgroup& tg = *active;
   tg.body(tg.current->index);
   tg.current->wait = Wait::kDone;
-  // returning switches to uc_link: the scheduler
+  yield();  // for good: a finished fiber is never resumed
+  std::abort();
 }
 
 // Why no fiber can run, for the error message.
@@ -199,11 +260,7 @@ inline std::string run_threadgroup(uint n_threads, Order order, uint64_t seed,
   for (uint i = 0; i < n_threads; i++) {
     Fiber& f = tg.fibers[i];
     f.index = i;
-    getcontext(&f.context);
-    f.context.uc_stack.ss_sp = stacks[i].get();
-    f.context.uc_stack.ss_size = stack_size;
-    f.context.uc_link = &tg.scheduler;
-    makecontext(&f.context, fiber_entry, 0);
+    make_context(f.context, stacks[i].get(), stack_size, fiber_entry);
   }
   Threadgroup* outer = active;
   active = &tg;
@@ -218,7 +275,7 @@ inline std::string run_threadgroup(uint n_threads, Order order, uint64_t seed,
       break;
     }
     tg.current = &tg.fibers[next];
-    swapcontext(&tg.scheduler, &tg.current->context);
+    switch_context(tg.scheduler, tg.current->context);
   }
   active = outer;
   return tg.error;
