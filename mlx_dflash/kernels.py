@@ -96,9 +96,14 @@ def _scalar(value: float | int, dtype: mx.Dtype) -> mx.array:
     return mx.array(value, dtype=dtype)
 
 
-def row_threads(vocab: int) -> int:
-    """Threads of a threadgroup that scans one vocabulary row (whole simdgroups, <= 1024)."""
-    return min(1024, max(32, vocab // 8 // 32 * 32))
+def row_threads(vocab: int, most: int = 1024) -> int:
+    """Threads of a threadgroup that scans one vocabulary row (whole simdgroups)."""
+    return min(most, max(32, vocab // 8 // 32 * 32))
+
+
+# The sampling kernels keep more per thread (radix counts, candidates); fewer threads keep them
+# under a pipeline's thread limit (untested on a GPU: tune with scripts/bench_kernels.py).
+SAMPLE_THREADS = 512
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,7 +308,7 @@ def verify_greedy_metal(logits: mx.array, drafts: mx.array) -> tuple[mx.array, m
 def _verify_sample_metal(spec, logits, drafts, proposal, uniforms, temperature, top_k,
                          template):
     B, P, V = logits.shape
-    threads = row_threads(V)
+    threads = row_threads(V, SAMPLE_THREADS)
     empty = P == 1
     inputs = [logits, _dummy() if empty else drafts.astype(mx.uint32)]
     inputs += [_dummy() if empty else a for a in proposal]
