@@ -344,9 +344,33 @@ struct bfloat16_t {
     return f;
   }
 };
-#ifdef __FLT16_MAX__
-using float16_t = _Float16;
-#endif
+// IEEE half, converted in software (not every g++ has _Float16).
+struct float16_t {
+  uint16_t bits;
+  operator float() const {
+    uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
+    uint32_t exponent = (bits >> 10) & 0x1fu;
+    uint32_t mantissa = bits & 0x3ffu;
+    uint32_t out;
+    if (exponent == 0 && mantissa == 0) {
+      out = sign;
+    } else if (exponent == 0) {  // subnormal: normalise
+      int shift = -1;
+      do {
+        shift++;
+        mantissa <<= 1;
+      } while (!(mantissa & 0x400u));
+      out = sign | static_cast<uint32_t>(112 - shift) << 23 | (mantissa & 0x3ffu) << 13;
+    } else if (exponent == 31) {
+      out = sign | 0x7f800000u | mantissa << 13;
+    } else {
+      out = sign | (exponent + 112) << 23 | mantissa << 13;
+    }
+    float f;
+    std::memcpy(&f, &out, sizeof f);
+    return f;
+  }
+};
 
 template <typename To, typename From>
 inline To as_type(From v) {
