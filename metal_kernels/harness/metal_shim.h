@@ -3,7 +3,7 @@
 // (tests/kernel_harness.py generates the translation unit and drives it).
 //
 // Threads. The threads of a threadgroup are fibers on one OS thread (a few lines of assembly
-// switch stacks on x86-64; ucontext elsewhere, ~10x slower for its signal-mask syscalls). A
+// switch stacks on x86-64 ELF; ucontext elsewhere, ~10x slower for its signal-mask syscalls). A
 // fiber runs
 // until it reaches a threadgroup_barrier or a simdgroup collective (simd_sum, ...), where it
 // waits until every thread of its threadgroup (barrier) or simdgroup (collective) has arrived.
@@ -25,6 +25,9 @@
 // that runs on it. Threadgroups of a launch run one after another.
 #pragma once
 
+#if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
+#define _XOPEN_SOURCE 600  // macOS hides its (deprecated) ucontext without it
+#endif
 #include <ucontext.h>
 
 #include <algorithm>
@@ -48,7 +51,7 @@ struct uint3 {
 namespace harness {
 
 // A fiber's saved state: its stack pointer (the callee-saved registers are on its stack).
-#if defined(__x86_64__) && !defined(DFLASH_HARNESS_UCONTEXT)
+#if defined(__x86_64__) && defined(__ELF__) && !defined(DFLASH_HARNESS_UCONTEXT)
 extern "C" void dflash_harness_switch(void** save_sp, void* load_sp);
 asm(R"(
 .text
