@@ -114,7 +114,8 @@ def _recurrent_layer_per_position(
     layer: nn.Module, h: mx.array, cache: ArraysCache
 ) -> tuple[mx.array, list[list[Any]]]:
     """The layer's output, with its linear attention run one position at a time so that the
-    cache arrays after every position can be kept. Same arithmetic as the layer's own call."""
+    cache arrays after every position can be kept. The layer's own operations, position by
+    position (matmuls of other shapes may round differently in the last bits)."""
     x = layer.input_layernorm(h)
     outputs, states = [], []
     for t in range(x.shape[1]):
