@@ -47,6 +47,9 @@ def main() -> None:
     result["sequences"] = len(idx)
     print("ECE by position before / after: " + ", ".join(
         f"{b:.3f}/{a:.3f}" for b, a in zip(result["ece_before"], result["ece_after"])))
+    if "ece_previous_temperatures" in result:
+        print("ECE with the drafter's previous temperatures: " + ", ".join(
+            f"{e:.3f}" for e in result["ece_previous_temperatures"]))
     print(f"temperatures {[round(t, 3) for t in result['temperatures']]} "
           f"({result['fit_blocks']} fit / {result['test_blocks']} test blocks)")
     config_file = drafter.source_path / "config.json"

@@ -421,6 +421,7 @@ def calibrate(drafter, target: Target, batch_of: Batches, idx, anchors: int = 32
 
     fit_logits, fit_acc = collect(idx[::2])
     test_logits, test_acc = collect(idx[1::2])
+    previous = drafter.args.confidence_temperatures
     temps, _, _ = sequential_temperatures(fit_logits, fit_acc)
     drafter.args.confidence_temperatures = temps
 
@@ -429,9 +430,12 @@ def calibrate(drafter, target: Target, batch_of: Batches, idx, anchors: int = 32
         return [expected_calibration_error(running[:, k], test_acc[:, k])
                 for k in range(running.shape[1])]
 
-    return {"temperatures": temps, "ece_before": ece([1.0] * len(temps)),
-            "ece_after": ece(temps), "fit_blocks": len(fit_logits),
-            "test_blocks": len(test_logits)}
+    result = {"temperatures": temps, "ece_before": ece([1.0] * len(temps)),
+              "ece_after": ece(temps), "fit_blocks": len(fit_logits),
+              "test_blocks": len(test_logits)}
+    if previous and len(previous) == len(temps):  # a refit: how the old temperatures do
+        result["ece_previous_temperatures"] = ece(previous)
+    return result
 
 
 def validate(drafter, target: Target, batch_of: Batches, idx, config: TrainConfig) -> dict:
