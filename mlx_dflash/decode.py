@@ -19,6 +19,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .accept import SamplingParams, greedy_accept, rejection_accept, sample_first
 from .drafters import check_fits
 from .lookup import CopyIndex
+from .prompt_cache import PairCache
 from .schedule import Scheduler, bytes_per_verified_token, cached_costs
 from .target import Target
 
@@ -40,6 +41,11 @@ class GenerationStats:
     acceptance_lengths: list[int] = field(default_factory=list)  # per cycle: accepted + 1
     draft_lengths: list[int] = field(default_factory=list)  # per cycle: drafts verified
     copy_cycles: int = 0  # cycles that verified a copied block instead of the drafter's
+    cached_tokens: int = 0  # prompt tokens a prompt_cache already held (not prefilled)
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
 
     @property
     def cycles(self) -> int:
@@ -193,6 +199,7 @@ def stream_generate(
     copy_drafts: bool = COPY_DRAFTS,
     copy_ngram: int = COPY_NGRAM,
     schedule: bool = True,
+    prompt_cache: PairCache | None = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate from ``prompt`` with speculative decoding; yields one response per cycle.
 
@@ -200,6 +207,12 @@ def stream_generate(
     ``drafter=None`` decodes with the target alone (one token per pass). With
     ``copy_drafts``, a cycle whose last ``copy_ngram`` tokens occurred earlier verifies the
     tokens that followed them instead of the drafter's block (see ``lookup.py``).
+
+    ``prompt_cache`` (a :class:`~mlx_dflash.prompt_cache.PairCache` holding a proper prefix of
+    the prompt, or empty) is continued from: only the rest of the prompt is prefilled
+    (``stats.cached_tokens`` says how much was not). When generation ends its caches hold the
+    whole sequence but the last token, named by ``prompt_cache.tokens``; if the generator is
+    closed early they are cut back where that is exact, else ``tokens`` stays None (unusable).
     """
     params = SamplingParams(temperature, top_p, top_k)
     if max_tokens < 0:
@@ -236,15 +249,18 @@ def stream_generate(
         if auto:  # before any clock starts: the first use times the passes (then cached)
             scheduler = Scheduler(cached_costs(target, drafter, B), B - 1,
                                   bytes_per_verified_token(target))
-        cache = target.make_cache()
-        draft_cache = drafter.make_cache() if drafter is not None else None
+        if prompt_cache is None:
+            cache = target.make_cache()
+            draft_cache = drafter.make_cache() if drafter is not None else None
+        else:
+            stats.cached_tokens = prompt_cache.begin(tokens, target, drafter)
+            cache, draft_cache = prompt_cache.target, prompt_cache.drafter
         tic = time.perf_counter()
-        last_logits = prefill(
-            target, tokens, cache, drafter, draft_cache, prefill_step_size, prompt_progress
-        )
+        last_logits = prefill(target, tokens[stats.cached_tokens :], cache, drafter, draft_cache,
+                              prefill_step_size, prompt_progress)
         anchor = sample_first(last_logits, params)
         first = anchor.item()
-        stats.prompt_tps = len(tokens) / (time.perf_counter() - tic)
+        stats.prompt_tps = stats.prefilled_tokens / (time.perf_counter() - tic)
         tic = time.perf_counter()
 
         copy_index = CopyIndex(tokens, copy_ngram) if copy_drafts and drafter else None
@@ -298,7 +314,10 @@ def stream_generate(
         new_tokens = [first]
         accepted = 0
         pending = None  # the next cycle, already started (after a plain cycle)
+        held = list(tokens) if prompt_cache is not None else None  # what the caches hold, + anchor
         while True:
+            if held is not None:
+                held += new_tokens  # before the cut below: the caches hold them all the same
             # Commit this cycle's tokens up to a stop token or max_tokens.
             reason = None
             for i, tok in enumerate(new_tokens):
@@ -315,6 +334,8 @@ def stream_generate(
             stats.generation_tokens += len(new_tokens) + (reason == "stop")
             stats.generation_tps = stats.generation_tokens / max(time.perf_counter() - tic, 1e-9)
             if reason is not None:
+                if prompt_cache is not None:
+                    _settle(prompt_cache, target, drafter, held[:-1], backlog, pending)
                 final = finish(reason)
                 final.tokens, final.accepted = new_tokens, accepted
                 yield final
@@ -335,7 +356,12 @@ def stream_generate(
                     backlog.append(features)  # its one position, read before the next draft
                 pending = start_cycle(next_tokens[:1], stats.generation_tokens + 1, False)
                 mx.async_eval(pending[2][0])
-            yield GenerationResponse(detokenizer.last_segment, new_tokens, accepted, stats)
+            try:
+                yield GenerationResponse(detokenizer.last_segment, new_tokens, accepted, stats)
+            except GeneratorExit:
+                if prompt_cache is not None:
+                    _cut_back(prompt_cache, drafter, held[:-1], backlog)
+                raise
 
             values = packed.tolist()  # the one host sync of the cycle
             accepted = values[0]
@@ -351,6 +377,33 @@ def stream_generate(
             stats.draft_lengths.append(K)
             if stats.cycles % 256 == 0:
                 mx.clear_cache()
+
+
+# -- leaving a prompt_cache named (used only with stream_generate(prompt_cache=...)) ----------
+def _settle(
+    prompt_cache: PairCache, target: Target, drafter: Any, held: list[int],
+    backlog: list[mx.array], pending: Any,
+) -> None:
+    """At the end of generation: undo the cycle started ahead (if any), give the drafter the
+    features it has not read, so both caches hold exactly ``held``."""
+    if pending is not None:
+        target.rollback(prompt_cache.target, pending[0] + 1)  # its whole pass: anchor + drafts
+    if backlog:
+        drafter.commit(mx.concatenate(backlog, axis=1), prompt_cache.drafter)
+        backlog.clear()
+    prompt_cache.hold(held)
+
+
+def _cut_back(
+    prompt_cache: PairCache, drafter: Any, held: list[int], backlog: list[mx.array]
+) -> None:
+    """The generator was closed mid-stream, with one or two cycles started past ``held``.
+    Caches that can be cut anywhere are cut back to ``held``; others are left unnamed."""
+    if backlog:
+        drafter.commit(mx.concatenate(backlog, axis=1), prompt_cache.drafter)
+        backlog.clear()
+    if prompt_cache.trim_to(len(held)):
+        prompt_cache.hold(held)
 
 
 def generate(

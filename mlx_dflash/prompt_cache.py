@@ -1,0 +1,507 @@
+"""Prefix caches for the speculative pair: keep the caches of finished requests, continue from them.
+
+A :class:`PairCache` is the target's per-layer caches, the drafter's context cache and the tokens
+both hold. ``stream_generate(..., prompt_cache=pair)`` prefills only what the pair does not
+hold yet and leaves it holding the whole sequence when generation ends.
+
+A :class:`PrefixCache` keeps finished pairs keyed by their tokens: least recently used first out
+under a byte budget in memory, and optionally on disk (MLX's own ``save_prompt_cache`` /
+``load_prompt_cache``, atomic files). A request continues from the entry holding the longest
+usable prefix of its prompt:
+
+* caches that can be cut back anywhere (every layer a plain KV cache, or a sliding-window cache
+  that has not wrapped yet) are cut to the common prefix, as mlx-lm's server does;
+* a cache that cannot (a Gated DeltaNet state, a wrapped sliding window) is reused only when the
+  entry's tokens are a prefix of the prompt: the state is exact only where it was saved. For such
+  targets :func:`stream_generate_cached` also saves a checkpoint at the end of each prompt (less
+  its last token), so the next turn of a conversation finds an exact prefix even when the reply
+  itself does not come back token for token.
+
+Reuse is lossless: a cache holds exactly what a fresh prefill of its tokens would hold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generator, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models.cache import (
+    ArraysCache,
+    KVCache,
+    can_trim_prompt_cache,
+    load_prompt_cache,
+    save_prompt_cache,
+)
+
+from .target import FULL, Target, TargetCache
+
+log = logging.getLogger("mlx_dflash.prompt_cache")
+
+FORMAT = "mlx-dflash-prefix-cache/1"
+
+
+# -- one pair's caches ----------------------------------------------------------------------------
+def _fork_layer(c: Any) -> Any:
+    """A layer cache with the same contents whose writes never reach ``c``: new array objects
+    over the same values (MLX copies a buffer on the first write when it is shared)."""
+    if type(c) is KVCache:
+        new = KVCache()
+        if c.keys is not None:  # only the filled part: a later write copies no stale slots
+            new.keys, new.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+        new.offset = c.offset
+        return new
+    if isinstance(c, ArraysCache):  # recurrent layers replace their arrays, never write into them
+        new = ArraysCache(len(c.cache))
+        new.cache, new.left_padding, new.lengths = list(c.cache), c.left_padding, c.lengths
+        return new
+    return type(c).from_state(tree_map(lambda x: x[...] if isinstance(x, mx.array) else x,
+                                       c.state))
+
+
+@dataclass(eq=False)
+class PairCache:
+    """The target's caches, the drafter's context cache and the tokens they hold.
+
+    ``tokens`` is None while a generation runs on the pair, or after one that ended where the
+    caches could not be named (then the pair is unusable).
+    """
+
+    target: TargetCache | None = None
+    drafter: list[Any] | None = None
+    tokens: list[int] | None = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in (self.target or []) + (self.drafter or []))
+
+    @property
+    def layers(self) -> list[Any]:
+        return list(self.target or []) + list(self.drafter or [])
+
+    def trimmable(self) -> bool:
+        """Whether the caches can be cut back to any shorter prefix, exactly."""
+        return can_trim_prompt_cache(self.layers) and all(hasattr(c, "offset")
+                                                          for c in self.layers)
+
+    def ensure(self, target: Any, drafter: Any) -> None:
+        """Make the empty caches a first use needs; check that a used pair fits the models."""
+        if self.target is None:
+            self.target = target.make_cache()
+        elif len(self.target) != target.num_layers:
+            raise ValueError(f"the prompt cache has {len(self.target)} target layers, the target "
+                             f"{target.num_layers}")
+        if drafter is None:
+            self.drafter = None  # the drafter's context stops following the target
+        elif self.drafter is None:
+            if self.tokens:
+                raise ValueError("the prompt cache holds no drafter context")
+            self.drafter = drafter.make_cache()
+
+    def begin(self, tokens: Sequence[int], target: Any, drafter: Any) -> int:
+        """Check that the pair holds a proper prefix of ``tokens`` and take it into use; returns
+        the length of that prefix (the tokens not to prefill)."""
+        if self.tokens is None:
+            raise ValueError("the prompt cache is in use, or its last generation did not end "
+                             "where its contents could be named")
+        n = len(self.tokens)
+        if n >= len(tokens) or list(tokens[:n]) != self.tokens:
+            raise ValueError("the prompt cache must hold a proper prefix of the prompt (at least "
+                             "one prompt token is left to prefill)")
+        self.ensure(target, drafter)
+        self.tokens = None  # the contents change from here on
+        return n
+
+    def hold(self, tokens: Sequence[int]) -> None:
+        """Name the contents: the caches hold exactly ``tokens``. Evaluates them."""
+        if self.target is not None:
+            self.target.last_pass = None  # a rollback record would keep the last pass alive
+        mx.eval([c.state for c in self.layers])
+        self.tokens = list(tokens)
+
+    def trim_to(self, n: int) -> bool:
+        """Cut both caches back to their first ``n`` positions if that is exact (else False)."""
+        if not self.trimmable():
+            return False
+        for c in self.layers:
+            c.trim(c.offset - n)
+        if self.tokens is not None:
+            self.tokens = self.tokens[:n]
+        return True
+
+    def fork(self, keep: int | None = None) -> PairCache:
+        """A pair to continue from, holding the first ``keep`` tokens (all by default); it shares
+        this one's arrays, and nothing done to it changes this one."""
+        if self.tokens is None:
+            raise ValueError("cannot fork a prompt cache whose contents are unknown")
+        target = None if self.target is None else TargetCache(map(_fork_layer, self.target))
+        drafter = None if self.drafter is None else [_fork_layer(c) for c in self.drafter]
+        pair = PairCache(target, drafter, list(self.tokens))
+        if keep is not None and keep < len(self.tokens) and not pair.trim_to(keep):
+            raise ValueError("this prompt cache cannot be cut back (recurrent or wrapped layers)")
+        return pair
+
+
+def needs_checkpoints(target: Any) -> bool:
+    """Targets whose caches may not be cut back (recurrent or sliding-window layers)."""
+    return any(kind != FULL for kind in target.layer_kinds)
+
+
+# -- the store ------------------------------------------------------------------------------------
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+def usable_prefix(ids: np.ndarray, trimmable: bool, prompt: np.ndarray) -> int:
+    """How many prompt tokens an entry holding ``ids`` can stand for (at least one prompt token
+    is always prefilled, for the logits of the first new token)."""
+    limit = len(prompt) - 1
+    common = common_prefix_len(ids, prompt)
+    if trimmable:
+        return min(common, limit)
+    return len(ids) if common == len(ids) <= limit else 0
+
+
+def _key(ids: np.ndarray) -> str:
+    return hashlib.sha256(ids.astype("<i8").tobytes()).hexdigest()[:40]
+
+
+@dataclass(eq=False)
+class _Entry:
+    pair: PairCache
+    ids: np.ndarray
+    nbytes: int
+    trimmable: bool
+
+
+class PrefixCache:
+    """Finished pairs keyed by their tokens, least recently used first out above ``max_bytes``;
+    with ``directory``, also on disk (at most ``max_disk_bytes``) for entries of the models
+    named by ``fingerprint`` (see :func:`fingerprint`)."""
+
+    def __init__(
+        self,
+        max_bytes: int,
+        *,
+        directory: str | os.PathLike | None = None,
+        max_disk_bytes: int | None = None,
+        fingerprint: str = "",
+    ):
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest use first
+        self.nbytes = 0
+        self.disk = None
+        if directory is not None:
+            self.disk = DiskCache(Path(directory), fingerprint, max_disk_bytes)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        """Forget the entries in memory (the disk tier stays)."""
+        self._entries.clear()
+        self.nbytes = 0
+
+    def fetch(self, tokens: Sequence[int], take: bool | None = None) -> tuple[PairCache, int]:
+        """A pair holding the longest usable prefix of ``tokens`` and that prefix's length, or an
+        empty pair and 0. ``take``: hand over the stored pair itself (it leaves the store) rather
+        than a fork of it; by default only when it can be cut back and is a prefix of
+        ``tokens`` (then the finished request's entry makes it redundant anyway)."""
+        prompt = np.asarray(tokens, dtype=np.int64)
+        key, best = None, 0
+        for k, e in self._entries.items():
+            n = usable_prefix(e.ids, e.trimmable, prompt)
+            if n > best:
+                key, best = k, n
+        if self.disk is not None:
+            disk_key, n = self.disk.best(prompt)
+            if n > best and (pair := self.disk.load(disk_key)) is not None:
+                key, best = disk_key, n
+                self._add(disk_key, _Entry(pair, np.asarray(pair.tokens, dtype=np.int64),
+                                           pair.nbytes, pair.trimmable()))
+        if key is None or key not in self._entries:
+            return PairCache(), 0
+        entry = self._entries[key]
+        self._entries.move_to_end(key)
+        if take is None:
+            take = entry.trimmable and best == len(entry.ids)
+        if not take:
+            return entry.pair.fork(best), best
+        self._pop(key)
+        pair = entry.pair
+        if best < len(entry.ids):
+            pair.trim_to(best)
+        return pair, best
+
+    def insert(self, pair: PairCache) -> None:
+        """Keep a finished pair (the store owns it from now on: do not use it any more)."""
+        if not pair.tokens:
+            return
+        ids = np.asarray(pair.tokens, dtype=np.int64)
+        key = _key(ids)
+        entry = _Entry(pair, ids, pair.nbytes, pair.trimmable())
+        self._pop(key)
+        if entry.trimmable:  # it can stand in for any entry holding a prefix of it
+            for k in [k for k, e in self._entries.items() if _is_prefix(e.ids, ids)]:
+                self._pop(k)
+        if self.disk is not None:
+            self.disk.save(key, pair, entry.trimmable)
+        if entry.nbytes <= self.max_bytes:
+            self._add(key, entry)
+
+    def _add(self, key: str, entry: _Entry) -> None:
+        self._pop(key)
+        self._entries[key] = entry
+        self.nbytes += entry.nbytes
+        while self.nbytes > self.max_bytes and len(self._entries) > 1:
+            self._pop(next(iter(self._entries)))
+        if self.nbytes > self.max_bytes:
+            self._pop(key)
+
+    def _pop(self, key: str) -> _Entry | None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.nbytes -= entry.nbytes
+        return entry
+
+
+def _is_prefix(a: np.ndarray, b: np.ndarray) -> bool:
+    return len(a) <= len(b) and bool(np.array_equal(a, b[: len(a)]))
+
+
+# -- the disk tier --------------------------------------------------------------------------------
+def fingerprint(target: Any, drafter: Any) -> str:
+    """Names a (target, drafter) pair: their configurations and a sample of every weight, so a
+    cache saved for other weights with the same shapes is never loaded."""
+    h = hashlib.sha256()
+    for module in (target.model if isinstance(target, Target) else target, drafter):
+        if module is None:
+            h.update(b"none")
+            continue
+        h.update(type(module).__module__.encode())
+        args = getattr(module, "args", None)
+        h.update(repr(sorted(vars(args).items()) if args is not None else None).encode())
+        for name, p in tree_flatten(module.parameters()):
+            sample = p.reshape(-1)[:64]
+            h.update(name.encode() + _array_bytes(sample))
+    return h.hexdigest()
+
+
+def _array_bytes(a: mx.array) -> bytes:
+    head = f"{a.dtype}{a.shape}".encode()
+    if a.size == 0:
+        return head
+    return head + np.array(mx.contiguous(a).view(mx.uint8)).tobytes()
+
+
+def _digest(layers: list[Any]) -> str:
+    """A checksum of the cache states, written with them and checked on load."""
+    h = hashlib.sha256()
+    for path, leaf in tree_flatten([c.state for c in layers]):
+        h.update(path.encode())
+        h.update(_array_bytes(leaf) if isinstance(leaf, mx.array) else repr(leaf).encode())
+    return h.hexdigest()
+
+
+def _read_header(path: Path) -> dict[str, str]:
+    """The metadata ``save_prompt_cache`` wrote (its first part, ``0.name`` in the file), after
+    checking that the file holds all the data its header names."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 1 << 30:
+            raise ValueError("header length out of range")
+        header = json.loads(f.read(n))
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
+              default=0)
+    if path.stat().st_size < 8 + n + end:
+        raise ValueError("the file is truncated")
+    meta = header.get("__metadata__", {})
+    return {k[2:]: v for k, v in meta.items() if k.startswith("0.")}
+
+
+@dataclass
+class _DiskEntry:
+    path: Path
+    ids: np.ndarray
+    trimmable: bool
+    size: int
+    used: float
+
+
+class DiskCache:
+    """Pairs saved as ``<dir>/<pair>/<key>.safetensors`` (``save_prompt_cache``: target layers,
+    then drafter layers; tokens, fingerprint and a checksum in the metadata). Files are written
+    to a temporary name and renamed, so a crash never leaves half a file under a real name; a
+    file that is truncated, corrupt or saved for another pair is skipped with a warning."""
+
+    def __init__(self, directory: Path, fingerprint: str, max_bytes: int | None = None):
+        self.fingerprint = fingerprint
+        self.dir = directory / hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._index: dict[str, _DiskEntry] = {}
+        for path in sorted(self.dir.glob("*.safetensors")):
+            if not path.name.startswith("."):
+                self._scan(path)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.size for e in self._index.values())
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _scan(self, path: Path) -> None:
+        try:
+            meta = _read_header(path)
+            self._check_meta(meta)
+            ids = np.asarray(json.loads(meta["tokens"]), dtype=np.int64)
+            if path.stem != _key(ids):
+                raise ValueError("the file name does not match its tokens")
+        except Exception as e:  # noqa: BLE001 (any unreadable file is skipped, never fatal)
+            log.warning("prompt cache: skipping %s: %s", path, e)
+            return
+        st = path.stat()
+        self._index[path.stem] = _DiskEntry(path, ids, meta.get("trimmable") == "1",
+                                            st.st_size, st.st_mtime)
+
+    def _check_meta(self, meta: dict[str, str]) -> None:
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"not an {FORMAT} file")
+        if meta.get("fingerprint") != self.fingerprint:
+            raise ValueError("saved for another model or drafter")
+
+    def best(self, prompt: np.ndarray) -> tuple[str | None, int]:
+        key, best = None, 0
+        for k, e in self._index.items():
+            n = usable_prefix(e.ids, e.trimmable, prompt)
+            if n > best:
+                key, best = k, n
+        return key, best
+
+    def load(self, key: str) -> PairCache | None:
+        """The pair saved under ``key``, checked; None (with a warning) if it does not check."""
+        entry = self._index[key]
+        try:
+            layers, meta = load_prompt_cache(str(entry.path), return_metadata=True)
+            self._check_meta(meta)
+            n_target = int(meta["num_target_layers"])
+            if _digest(layers) != meta["digest"]:
+                raise ValueError("checksum mismatch")
+            if any(getattr(c, "offset", len(entry.ids)) != len(entry.ids) for c in layers):
+                raise ValueError("the caches do not hold the saved tokens")
+            mx.eval([c.state for c in layers])
+        except Exception as e:  # noqa: BLE001 (a bad file costs a prefill, never a crash)
+            log.warning("prompt cache: skipping %s: %s", entry.path, e)
+            del self._index[key]
+            return None
+        os.utime(entry.path)
+        entry.used = time.time()
+        drafter = layers[n_target:] or None
+        return PairCache(TargetCache(layers[:n_target]), drafter, entry.ids.tolist())
+
+    def save(self, key: str, pair: PairCache, trimmable: bool) -> None:
+        if key in self._index:
+            return
+        if self.max_bytes is not None and pair.nbytes > self.max_bytes:
+            return
+        compact = pair.fork()  # KV caches cut to their filled part
+        layers = compact.layers
+        meta = {
+            "format": FORMAT,
+            "fingerprint": self.fingerprint,
+            "tokens": json.dumps(pair.tokens, separators=(",", ":")),
+            "trimmable": "1" if trimmable else "0",
+            "num_target_layers": str(len(compact.target or [])),
+            "digest": _digest(layers),
+        }
+        path = self.dir / f"{key}.safetensors"
+        tmp = self.dir / f".{key}.{os.getpid()}.tmp.safetensors"
+        try:
+            save_prompt_cache(str(tmp), layers, meta)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("prompt cache: could not write %s: %s", path, e)
+            tmp.unlink(missing_ok=True)
+            return
+        ids = np.asarray(pair.tokens, dtype=np.int64)
+        if trimmable:
+            for k in [k for k, e in self._index.items() if _is_prefix(e.ids, ids)]:
+                self._remove(k)
+        self._index[key] = _DiskEntry(path, ids, trimmable, path.stat().st_size, time.time())
+        self._evict(keep=key)
+
+    def _evict(self, keep: str) -> None:
+        if self.max_bytes is None:
+            return
+        while self.nbytes > self.max_bytes and len(self._index) > 1:
+            oldest = min((k for k in self._index if k != keep), key=lambda k: self._index[k].used)
+            self._remove(oldest)
+
+    def _remove(self, key: str) -> None:
+        entry = self._index.pop(key)
+        entry.path.unlink(missing_ok=True)
+
+
+# -- generation through a store -------------------------------------------------------------------
+def stream_generate_cached(
+    store: PrefixCache,
+    model: Any,
+    drafter: Any,
+    tokenizer: Any,
+    prompt: str | Sequence[int],
+    *,
+    take: bool | None = None,
+    checkpoints: Sequence[int] = (),
+    **kwargs: Any,
+) -> Generator[Any, None, None]:
+    """``stream_generate`` continuing from the store's longest usable prefix; the finished pair
+    goes back into the store. ``stats.cached_tokens`` counts the prompt tokens reused.
+
+    For targets whose caches cannot be cut back, the pair is also stored at each position in
+    ``checkpoints`` (e.g. where the system prompt ends) and where the prompt ends, less its last
+    token: the states later requests can continue from exactly.
+    """
+    from .decode import as_target, block_width, encode_prompt, prefill, stream_generate
+
+    tokens = encode_prompt(tokenizer, prompt)
+    target = as_target(model)
+    if block_width(drafter, kwargs.get("block_size"), kwargs.get("schedule", True)) == 1:
+        drafter = None  # as stream_generate does: nothing to draft, no context to keep
+    pair, cached = store.fetch(tokens, take=take)
+    pair.ensure(target, drafter)
+    tic = time.perf_counter()
+    end = len(tokens) - 1
+    if needs_checkpoints(target) and kwargs.get("max_tokens", 1) > 0:
+        for stop in sorted({p for p in (*checkpoints, end) if cached < p <= end}):
+            start = pair.begin(tokens, target, drafter)
+            prefill(target, tokens[start:stop], pair.target, drafter, pair.drafter,
+                    kwargs.get("prefill_step_size", 2048))
+            pair.hold(tokens[:stop])
+            store.insert(pair.fork())
+    checkpoint_s = time.perf_counter() - tic
+    gen = stream_generate(model, drafter, tokenizer, tokens, prompt_cache=pair, **kwargs)
+    try:
+        for i, response in enumerate(gen):
+            if i == 0 and response.stats.cached_tokens != cached and response.stats.prompt_tps:
+                stats = response.stats
+                inner_s = stats.prefilled_tokens / max(stats.prompt_tps, 1e-9)
+                stats.cached_tokens = cached
+                stats.prompt_tps = stats.prefilled_tokens / max(inner_s + checkpoint_s, 1e-9)
+            yield response
+    finally:
+        gen.close()
+        if pair.tokens:
+            store.insert(pair)
