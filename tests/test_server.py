@@ -25,6 +25,7 @@ from mlx_dflash import generate, save_drafter
 from mlx_dflash.decode import GenerationResponse, GenerationStats, encode_prompt
 from mlx_dflash.server import BackgroundServer, create_app
 from mlx_dflash.server import worker as worker_mod
+from mlx_dflash.server.models import ModelPool, ServedModel
 from mlx_dflash.server.prompts import chat_prompt_ids
 from mlx_dflash.server.schemas import ChatMessage
 from mlx_dflash.server.stops import StopMatcher
@@ -204,15 +205,16 @@ def test_worker_runs_jobs_on_one_thread_in_arrival_order(monkeypatch):
         yield GenerationResponse(f"t{prompt[0]}", [5], 0, stats, "length")
 
     monkeypatch.setattr(worker_mod, "stream_generate", fake_generate)
-    w = worker_mod.ModelWorker(None, None, None)
+    w = worker_mod.ModelWorker(stand_in_pool())
 
     async def run():
         loop = asyncio.get_running_loop()
         jobs = [w.submit(worker_mod.Job(prompt=[i], max_tokens=1, loop=loop)) for i in range(8)]
         out = []
         for job in jobs:
-            events = [await job.events.get(), await job.events.get()]
-            out.append((events[0].text, events[1].finish_reason))
+            events = [await job.events.get() for _ in range(3)]
+            assert isinstance(events[0], worker_mod.Started)
+            out.append((events[1].text, events[2].finish_reason))
         return out
 
     try:
@@ -233,12 +235,13 @@ def test_stop_cancels_running_and_queued_jobs(monkeypatch):
             yield GenerationResponse("x", [5], 0, stats)
 
     monkeypatch.setattr(worker_mod, "stream_generate", endless)
-    w = worker_mod.ModelWorker(None, None, None)
+    w = worker_mod.ModelWorker(stand_in_pool())
 
     async def run():
         loop = asyncio.get_running_loop()
         jobs = [w.submit(worker_mod.Job(prompt=[i], max_tokens=9, loop=loop)) for i in range(3)]
-        assert isinstance(await jobs[0].events.get(), worker_mod.Delta)  # the first one runs
+        assert isinstance(await jobs[0].events.get(), worker_mod.Started)  # the first one runs
+        assert isinstance(await jobs[0].events.get(), worker_mod.Delta)
         tic = time.monotonic()
         await asyncio.to_thread(w.stop)
         assert time.monotonic() - tic < 5
@@ -249,6 +252,11 @@ def test_stop_cancels_running_and_queued_jobs(monkeypatch):
         return [job.outcome for job in jobs]
 
     assert asyncio.run(run()) == ["cancelled", None, None]
+
+
+def stand_in_pool():
+    """A pool whose one model is None: for workers whose stream_generate is replaced."""
+    return ModelPool([ServedModel("stand-in", make_tokenizer(V), 64, V)])
 
 
 def _record_jobs(server, monkeypatch):

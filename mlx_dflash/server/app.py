@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI-compatible chat/text completions over one model worker."""
+"""The FastAPI application: OpenAI-compatible chat/text completions and Anthropic's Messages API
+over one model worker, for one or several models served by name."""
 
 from __future__ import annotations
 
@@ -10,50 +11,61 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .. import __version__
 from ..decode import COPY_DRAFTS
+from .anthropic import MessageShaper, MessagesRequest
 from .auth import APIKeyMiddleware
-from .errors import APIError, error_body, install_handlers
-from .prompts import check_context, check_token_ids, chat_prompt_ids, text_prompt_ids
-from .responses import Shaper, sse
+from .errors import APIError, error_response, install_handlers
+from .models import (
+    DEFAULT_CONTEXT,  # noqa: F401  (re-exported)
+    CacheSettings,
+    ModelPool,
+    ServedModel,
+    context_size,  # noqa: F401  (re-exported)
+    served_model,
+)
+from .prompts import (
+    check_context,
+    check_token_ids,
+    chat_prompt_ids,
+    earlier_turns_end,
+    text_prompt_ids,
+)
+from .responses import Shaper
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from .worker import Delta, Done, Failed, Job, ModelWorker
+from .tools import ToolCalls, template_tools
+from .worker import Delta, Done, Failed, Job, ModelWorker, Started
 
-DEFAULT_CONTEXT = 4096
 DEFAULT_MAX_TOKENS = 512  # when a request names no limit (capped by the room left in the context)
 DISCONNECT_POLL_S = 0.25  # how often a request checks that its client is still there
 
 
-def context_size(model: Any) -> int:
-    """The target's context length from its config, or DEFAULT_CONTEXT."""
-    args = getattr(model, "args", None)
-    for name in ("max_position_embeddings", "max_seq_len", "context_length", "n_ctx"):
-        value = getattr(args, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return DEFAULT_CONTEXT
-
-
 def create_app(
-    model: Any,
-    drafter: Any,
-    tokenizer: Any,
+    model: Any = None,
+    drafter: Any = None,
+    tokenizer: Any = None,
     *,
-    model_name: str,
+    model_name: str | None = None,
+    models: list[ServedModel] | None = None,
+    model_memory: int | None = None,
+    cache: CacheSettings | None = None,
     api_key: str | None = None,
     max_context: int | None = None,
     block_size: int | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     copy_drafts: bool = COPY_DRAFTS,
 ) -> FastAPI:
-    """An OpenAI-compatible app serving ``model`` (with ``drafter``; None: the target alone)."""
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
-    worker = ModelWorker(model, drafter, tokenizer, block_size, copy_drafts)
-    ctx = max_context or context_size(model)
-    vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
+    """An app serving ``model`` (with ``drafter``; None: the target alone) as ``model_name``,
+    or several ``models`` by name (the first is the default; at most ``model_memory`` bytes of
+    weights stay loaded). ``cache``: the prefix caches (default: in memory only)."""
+    if models is None:
+        if model_name is None:
+            raise ValueError("model_name is required with a single model")
+        models = [served_model(model_name, model, drafter, tokenizer, block_size=block_size,
+                               max_context=max_context)]
+    pool = ModelPool(models, max_bytes=model_memory, cache=cache)
+    worker = ModelWorker(pool, copy_drafts)
     created = int(time.time())
 
     @asynccontextmanager
@@ -63,31 +75,40 @@ def create_app(
         await asyncio.to_thread(worker.stop)
 
     app = FastAPI(title="mlx-dflash", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible server for lossless DFlash speculative decoding.")
+                  description="OpenAI- and Anthropic-compatible server for lossless DFlash "
+                  "speculative decoding.")
     install_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.state.worker = worker
-    app.state.model_name = model_name
-    app.state.max_context = ctx
+    app.state.pool = pool
+    app.state.model_name = pool.default
+    app.state.max_context = pool.get(None).context
 
-    def model_card() -> dict[str, Any]:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "mlx-dflash"}
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "mlx-dflash"}
 
-    def check_model(name: str) -> None:
-        if name != model_name:
+    def served(name: str) -> ServedModel:
+        found = pool.get(name)
+        if found is None:
             raise APIError(404, f"The model '{name}' does not exist; this server serves "
-                           f"'{model_name}'.", param="model", code="model_not_found")
+                           f"{', '.join(repr(n) for n in pool.names)}.", param="model",
+                           code="model_not_found")
+        return found
 
-    def make_job(body: SamplingRequest, ids: list[int], param: str) -> Job:
+    def make_job(body: Any, model: ServedModel, ids: list[int], param: str, requested: int | None,
+                 requested_name: str, checkpoints: list[int] | None = None) -> Job:
+        ctx = model.context
         check_context(len(ids), ctx, param)
-        requested, name = body.requested_max_tokens()
         if requested is not None and requested > ctx:
-            raise APIError(400, f"'{name}' is {requested}, more than this model's context size "
-                           f"of {ctx} tokens.", param=name, code="invalid_value")
+            raise APIError(400, f"'{requested_name}' is {requested}, more than this model's "
+                           f"context size of {ctx} tokens.", param=requested_name,
+                           code="invalid_value")
         return Job(
             prompt=ids,
             max_tokens=min(requested or default_max_tokens, ctx - len(ids)),
+            model=model.name,
+            checkpoints=checkpoints or [],
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
@@ -96,10 +117,14 @@ def create_app(
             loop=asyncio.get_running_loop(),
         )
 
-    async def respond(body: SamplingRequest, job: Job, chat: bool, request: Request) -> Response:
-        shaper = Shaper(chat, model_name, include_usage=body.include_usage)
+    def sampling_job(body: SamplingRequest, model: ServedModel, ids: list[int], param: str,
+                     checkpoints: list[int] | None = None) -> Job:
+        requested, name = body.requested_max_tokens()
+        return make_job(body, model, ids, param, requested, name, checkpoints)
+
+    async def respond(job: Job, shaper: Any, stream: bool, request: Request) -> Response:
         worker.submit(job)
-        if body.stream:
+        if stream:
             return StreamingResponse(stream_events(job, shaper, request),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -107,78 +132,102 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model_name, "pending": worker.pending}
+        return {"status": "ok", "model": pool.default, "models": pool.names,
+                "loaded": pool.loaded(), "pending": worker.pending}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in pool.names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
-        check_model(model_id)
-        return model_card()
+        return model_card(served(model_id).name)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        ids = chat_prompt_ids(tokenizer, body.messages)
-        return await respond(body, make_job(body, ids, "messages"), True, request)
+        model = served(body.model)
+        tools = template_tools(body.tools)
+        ids = chat_prompt_ids(model.tokenizer, body.messages, tools)
+        checkpoints = (earlier_turns_end(model.tokenizer, body.messages, tools, ids)
+                       if model.checkpoints else [])
+        job = sampling_job(body, model, ids, "messages", checkpoints)
+        shaper = Shaper(True, model.name, body.include_usage,
+                        ToolCalls.for_request(model.tokenizer, tools))
+        return await respond(job, shaper, body.stream, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+        model = served(body.model)
         prompt = body.single_prompt()
         if prompt is None:
             raise APIError(400, "Only one prompt per request is supported.", param="prompt",
                            code="invalid_value")
-        ids = text_prompt_ids(tokenizer, prompt)
+        ids = text_prompt_ids(model.tokenizer, prompt)
         if isinstance(prompt, list):
-            check_token_ids(ids, vocab_size)
-        return await respond(body, make_job(body, ids, "prompt"), False, request)
+            check_token_ids(ids, model.vocab_size)
+        job = sampling_job(body, model, ids, "prompt")
+        return await respond(job, Shaper(False, model.name, body.include_usage), body.stream,
+                             request)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        model = served(body.model)
+        convo, tools = body.conversation(), body.template_tools()
+        ids = chat_prompt_ids(model.tokenizer, convo, tools)
+        checkpoints = (earlier_turns_end(model.tokenizer, convo, tools, ids)
+                       if model.checkpoints else [])
+        job = make_job(body, model, ids, "messages", body.max_tokens, "max_tokens", checkpoints)
+        shaper = MessageShaper(model.name, ToolCalls.for_request(model.tokenizer, tools))
+        return await respond(job, shaper, body.stream, request)
 
     return app
 
 
-async def stream_events(job: Job, shaper: Shaper, request: Request) -> AsyncIterator[str]:
-    """SSE chunks until the job is done; a client that leaves early cancels the job."""
+async def stream_events(job: Job, shaper: Any, request: Request) -> AsyncIterator[str]:
+    """Server-sent events until the job is done; a client that leaves early cancels the job."""
     watcher = asyncio.create_task(_watch_disconnect(job, request))
     try:
-        if (first := shaper.first_chunk()) is not None:
-            yield sse(first)
+        for event in shaper.open():
+            yield event
         while True:
             event = await job.events.get()
-            if isinstance(event, Delta):
-                yield sse(shaper.text_chunk(event.text))
+            if isinstance(event, Started):
+                for out in shaper.started(event):
+                    yield out
+            elif isinstance(event, Delta):
+                for out in shaper.delta(event.text):
+                    yield out
             elif isinstance(event, Done):
-                yield sse(shaper.final_chunk(event))
-                if shaper.include_usage:
-                    yield sse(shaper.usage_chunk(event))
+                for out in shaper.close(event):
+                    yield out
                 break
-            elif isinstance(event, Failed):  # the status line is gone: the error goes in-stream
-                yield sse(error_body(f"Internal error: {event.message}", "server_error"))
+            elif isinstance(event, Failed):
+                for out in shaper.error(event.message):
+                    yield out
                 break
             else:  # the client is gone
                 return
-        yield sse("[DONE]")
     finally:
         watcher.cancel()
         job.cancel()
 
 
-async def collect(job: Job, shaper: Shaper, request: Request) -> Response:
+async def collect(job: Job, shaper: Any, request: Request) -> Response:
     """Wait for the whole reply; a client that goes away meanwhile cancels the job."""
     watcher = asyncio.create_task(_watch_disconnect(job, request))
     parts: list[str] = []
     try:
         while True:
             event = await job.events.get()
+            if isinstance(event, Started):
+                continue
             if isinstance(event, Delta):
                 parts.append(event.text)
             elif isinstance(event, Done):
                 return JSONResponse(shaper.whole("".join(parts), event))
             elif isinstance(event, Failed):
                 err = APIError(500, f"Internal error: {event.message}", type="server_error")
-                return JSONResponse(err.body(), status_code=500)
+                return error_response(err, path=request.url.path)
             else:  # the client is gone: nobody will read this
                 return Response(status_code=499)
     finally:

@@ -1,4 +1,5 @@
-"""OpenAI-style error bodies, and handlers that turn every failure into one."""
+"""OpenAI-style error bodies (Anthropic-style under /v1/messages), and handlers that turn every
+failure into one."""
 
 from __future__ import annotations
 
@@ -41,8 +42,27 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                   403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                   429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    kind = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response(
+    err: APIError, headers: dict[str, str] | None = None, path: str = ""
+) -> JSONResponse:
+    """The error in the shape of the API ``path`` belongs to."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        body = anthropic_error_body(err.status, err.message)
+    else:
+        body = err.body()
+    return JSONResponse(body, status_code=err.status, headers=headers)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
@@ -106,22 +126,23 @@ def install_handlers(app: FastAPI) -> None:
     """Route every error (bad input, unknown path, a crash) through the OpenAI error shape."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc), path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         err = APIError(exc.status_code, str(exc.detail), code=code)
-        return error_response(err, headers=getattr(exc, "headers", None))
+        return error_response(err, headers=getattr(exc, "headers", None),
+                              path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
         # Starlette re-raises after this (uvicorn logs it); the server itself keeps running.
         log.exception("internal error")
         err = APIError(500, f"Internal server error: {type(exc).__name__}.", type="server_error")
-        return error_response(err)
+        return error_response(err, path=request.url.path)

@@ -9,18 +9,23 @@ from .errors import APIError
 from .schemas import ChatMessage
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
-    """The chat template's token ids; without a template, the contents joined by newlines."""
+def chat_prompt_ids(
+    tokenizer: Any, messages: list[ChatMessage] | list[dict], tools: list[dict] | None = None
+) -> list[int]:
+    """The chat template's token ids (``tools`` rendered by the template as well); without a
+    template, the contents joined by newlines."""
+    convo = [m if isinstance(m, dict) else m.template_dict() for m in messages]
     if not getattr(tokenizer, "has_chat_template", False):
-        return text_prompt_ids(tokenizer, "\n".join(m.text() for m in messages), "messages")
-    # Templates rarely know the newer "developer" role; it means what "system" meant.
-    convo = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        | ({"name": m.name} if m.name is not None else {})
-        for m in messages
-    ]
+        return text_prompt_ids(tokenizer, "\n".join(m["content"] for m in convo), "messages")
+    return _render(tokenizer, convo, tools, add_generation_prompt=True)
+
+
+def _render(tokenizer: Any, convo: list[dict], tools: list[dict] | None,
+            add_generation_prompt: bool) -> list[int]:
+    extra = {"tools": tools} if tools else {}
     try:
-        ids = tokenizer.apply_chat_template(convo, add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt,
+                                            **extra)
     except Exception as e:  # noqa: BLE001 (jinja raises anything; e.g. "roles must alternate")
         raise APIError(400, f"The chat template rejected the messages: {e}",
                        param="messages", code="invalid_value") from e
@@ -29,6 +34,23 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
     if isinstance(ids, str):
         return text_prompt_ids(tokenizer, ids, "messages")
     return [int(t) for t in ids]
+
+
+def earlier_turns_end(
+    tokenizer: Any, messages: list[ChatMessage] | list[dict], tools: list[dict] | None,
+    ids: list[int],
+) -> list[int]:
+    """Where the messages before the last one end in ``ids`` (when the template renders them as
+    a prefix): a point later requests of the same conversation, or with the same system
+    prompt, continue from. [] when there is no such point."""
+    convo = [m if isinstance(m, dict) else m.template_dict() for m in messages]
+    if len(convo) < 2 or not getattr(tokenizer, "has_chat_template", False):
+        return []
+    try:
+        head = _render(tokenizer, convo[:-1], tools, add_generation_prompt=False)
+    except APIError:
+        return []
+    return [len(head)] if 0 < len(head) < len(ids) and ids[: len(head)] == head else []
 
 
 def text_prompt_ids(tokenizer: Any, prompt: str | list[int], param: str = "prompt") -> list[int]:

@@ -6,6 +6,7 @@ clients that send extras (``user``, ``logprobs``, ...) still work.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -71,20 +72,75 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant turn that called tools
+    tool_call_id: Optional[str] = None  # a tool's result answers this call
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
+    def template_dict(self) -> dict:
+        """The message as chat templates read it (Hugging Face's conventions)."""
+        # Templates rarely know the newer "developer" role; it means what "system" meant.
+        out = {"role": "system" if self.role == "developer" else self.role,
+               "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _json_or_text(
+                     c.function.arguments)}}
+                for c in self.tool_calls
+            ]
+        return out
+
+
+def _json_or_text(text: str) -> object:
+    # Templates index into the arguments (arguments.items()), so they get the parsed object.
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionSpec
+
 
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Optional[list[ToolSpec]] = None  # into the chat template; calls come back parsed
 
 
 class CompletionRequest(SamplingRequest):

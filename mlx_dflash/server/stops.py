@@ -11,16 +11,18 @@ class StopMatcher:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self._held = ""
+        self.matched: str | None = None  # the stop string found, once one is
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to emit now, whether a stop string was hit). After a hit, stop feeding."""
         if not self.stops:
             return text, False
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self._held = ""
-            return buf[: min(hits)], True
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            return buf[:at], True
         keep = self._partial_suffix(buf)
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False

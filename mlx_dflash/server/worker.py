@@ -1,7 +1,8 @@
-"""The model worker: one thread owns the model and runs jobs one at a time, in arrival order.
+"""The model worker: one thread owns the models and runs jobs one at a time, in arrival order.
 
 MLX and the decode loop are not meant to run on two threads at once, and a single queue keeps
-requests first come, first served. Results go back to the event loop through
+requests first come, first served. The thread also loads and unloads models (``ModelPool``) and
+keeps each model's prefix cache. Results go back to the event loop through
 ``loop.call_soon_threadsafe`` so streaming never blocks it.
 """
 
@@ -19,9 +20,19 @@ from typing import Any
 import mlx.core as mx
 
 from ..decode import COPY_DRAFTS, stream_generate
+from ..prompt_cache import stream_generate_cached
+from .models import ModelPool
 from .stops import StopMatcher
 
 log = logging.getLogger("mlx_dflash.server")
+
+
+@dataclass
+class Started:
+    """The prompt is in: how many of its tokens came from the prefix cache."""
+
+    prompt_tokens: int
+    cached_tokens: int
 
 
 @dataclass
@@ -39,6 +50,8 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     dflash: dict[str, Any]
+    cached_tokens: int = 0  # prompt tokens continued from the prefix cache (not prefilled)
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass
@@ -48,13 +61,15 @@ class Failed:
     message: str
 
 
-Event = Delta | Done | Failed
+Event = Started | Delta | Done | Failed
 
 
 @dataclass
 class Job:
     prompt: list[int]
     max_tokens: int
+    model: str | None = None  # a served model's name (None: the default one)
+    checkpoints: list[int] = field(default_factory=list)  # see stream_generate_cached
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -79,12 +94,10 @@ class Job:
 
 
 class ModelWorker:
-    """Owns (model, drafter, tokenizer); ``submit`` queues a job, the thread runs it."""
+    """Runs the pool's models; ``submit`` queues a job, the thread runs it."""
 
-    def __init__(self, model: Any, drafter: Any, tokenizer: Any, block_size: int | None = None,
-                 copy_drafts: bool = COPY_DRAFTS):
-        self.model, self.drafter, self.tokenizer = model, drafter, tokenizer
-        self.block_size, self.copy_drafts = block_size, copy_drafts
+    def __init__(self, pool: ModelPool, copy_drafts: bool = COPY_DRAFTS):
+        self.pool, self.copy_drafts = pool, copy_drafts
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -145,21 +158,31 @@ class ModelWorker:
             if hasattr(mx, "clear_streams"):  # mlx >= 0.32
                 mx.clear_streams()
 
+    def _start(self, job: Job) -> Any:
+        """The job's generator, through its model's prefix cache when there is one."""
+        served = self.pool.acquire(job.model)
+        kwargs = dict(max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p,
+                      top_k=job.top_k, block_size=served.block_size, copy_drafts=self.copy_drafts)
+        args = (served.model, served.drafter, served.tokenizer, job.prompt)
+        if served.prefix_cache is None:
+            return stream_generate(*args, **kwargs)
+        return stream_generate_cached(served.prefix_cache, *args, checkpoints=job.checkpoints,
+                                      generate=stream_generate, **kwargs)
+
     def _generate(self, job: Job) -> None:
         if job.seed is not None:
             mx.random.seed(job.seed % 2**64)
         stops = StopMatcher(job.stop)
-        gen = stream_generate(
-            self.model, self.drafter, self.tokenizer, job.prompt, max_tokens=job.max_tokens,
-            temperature=job.temperature, top_p=job.top_p, top_k=job.top_k,
-            block_size=self.block_size, copy_drafts=self.copy_drafts,
-        )
-        stats, reason = None, "length"
+        stats, reason, gen = None, "length", None
         try:
+            gen = self._start(job)
             for response in gen:
                 if job.cancelled.is_set():
                     job.outcome = "cancelled"
                     return
+                if stats is None:
+                    job.push(Started(response.stats.prompt_tokens,
+                                     getattr(response.stats, "cached_tokens", 0)))
                 stats = response.stats
                 text, hit = stops.feed(response.text)
                 if text:
@@ -177,18 +200,21 @@ class ModelWorker:
             job.push(Failed(f"{type(e).__name__}: {e}"))
             return
         finally:
-            gen.close()  # exit the decode loop's MLX stream context on this thread
+            if gen is not None:
+                gen.close()  # exit the decode loop's MLX stream context on this thread
         job.outcome = "done"
-        job.push(_done(reason, stats, len(job.prompt)))
+        job.push(_done(reason, stats, len(job.prompt), stops.matched))
 
 
-def _done(reason: str, stats: Any, prompt_tokens: int) -> Done:
+def _done(reason: str, stats: Any, prompt_tokens: int, stop_sequence: str | None) -> Done:
     if stats is None:
-        return Done(reason, prompt_tokens, 0, {})
+        return Done(reason, prompt_tokens, 0, {}, stop_sequence=stop_sequence)
     return Done(
         finish_reason=reason,
         prompt_tokens=stats.prompt_tokens,
         completion_tokens=stats.generation_tokens,
+        cached_tokens=getattr(stats, "cached_tokens", 0),
+        stop_sequence=stop_sequence,
         dflash={
             "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
             "accepted_tokens": stats.accepted_tokens,
