@@ -20,6 +20,7 @@ from .layers import DraftArgs, DraftLayer, block_mask, make_context_cache
 class DFlashDraftModel(nn.Module):
     family = "dflash"
     layer_class = DraftLayer
+    fixed_vocab = False  # families with per-token tables (DSpark, DFlash 2) fix it when built
 
     def __init__(self, args: DraftArgs):
         super().__init__()
@@ -39,10 +40,27 @@ class DFlashDraftModel(nn.Module):
         return self.draft_vocab if "draft_vocab" in self else None
 
     def set_draft_vocab(self, ids: mx.array) -> None:
+        if self.fixed_vocab and ids.shape[0] != self.args.draft_vocab_size:
+            raise ValueError(f"a {self.family} drafter's vocabulary size is fixed when it is "
+                             f"built ({self.args.draft_vocab_size}), got {ids.shape[0]} ids")
         self.args.draft_vocab_size = int(ids.shape[0])
         self.draft_vocab = ids.astype(mx.int32)
         self.freeze(keys=["draft_vocab"])
         object.__setattr__(self, "_head_rows", None)
+
+    def prev_rows(self, tokens: mx.array) -> mx.array:
+        """Target ids -> rows of a per-previous-token table: the draft vocabulary's index, or
+        its size (one extra row) for a token outside it; the ids themselves without one."""
+        vocab = self.vocab_ids
+        if vocab is None:
+            return tokens.astype(mx.int32)
+        table = self.__dict__.get("_prev_table")
+        if table is None or table[0] is not vocab:
+            t = mx.full((self.args.vocab_size,), vocab.shape[0], dtype=mx.int32)
+            t[vocab] = mx.arange(vocab.shape[0], dtype=mx.int32)
+            table = (vocab, t)
+            object.__setattr__(self, "_prev_table", table)
+        return table[1][tokens.astype(mx.int32)]
 
     def head(self, target: Any, hidden: mx.array) -> mx.array:
         """Draft logits over the drafter's vocabulary (the target's head, or its subset rows)."""
@@ -119,11 +137,16 @@ class DFlashDraftModel(nn.Module):
         through the (large) LM head.
         """
         K = block_size - 1 if num_drafts is None else num_drafts
+        return self.head(target, self.block_hidden(target, anchor, cache, block_size)[1 : 1 + K])
+
+    def block_hidden(
+        self, target: Any, anchor: mx.array, cache: list[Any], block_size: int
+    ) -> mx.array:
+        """Final hidden states [block_size, D] of the block ``[anchor, MASK x (block_size-1)]``
+        over the cached context."""
         mask_ids = mx.full((block_size - 1,), self.args.mask_token_id, dtype=anchor.dtype)
-        block = mx.concatenate([anchor, mask_ids])[None]
-        embeds = self.embed_block(target, block)
-        hidden = self(embeds, cache)[0, 1 : 1 + K]
-        return self.head(target, hidden)
+        embeds = self.embed_block(target, mx.concatenate([anchor, mask_ids])[None])
+        return self(embeds, cache)[0]
 
     def propose(
         self,

@@ -139,6 +139,7 @@ def walk_path(first: mx.array, rest: mx.array, temperature: float = 0.0
 class DFlash2DraftModel(DFlashDraftModel):
     family = "dflash2"
     layer_class = DFlash2Layer
+    fixed_vocab = True
 
     def __init__(self, args: DraftArgs):
         missing = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
@@ -150,25 +151,6 @@ class DFlash2DraftModel(DFlashDraftModel):
         n_prev = n_next + 1 if args.draft_vocab_size else n_next
         self.candidate_selector = CandidateSelector(args.hidden_size, n_prev, n_next,
                                                     args.selector_rank, args.selector_top_k)
-
-    def set_draft_vocab(self, ids: mx.array) -> None:
-        if ids.shape[0] != self.args.draft_vocab_size:
-            raise ValueError("a DFlash 2 drafter's vocabulary size is fixed when it is built "
-                             f"({self.args.draft_vocab_size}), got {ids.shape[0]} ids")
-        super().set_draft_vocab(ids)
-
-    def prev_rows(self, tokens: mx.array) -> mx.array:
-        """Target ids -> predecessor codebook rows (the last row: outside the vocabulary)."""
-        vocab = self.vocab_ids
-        if vocab is None:
-            return tokens.astype(mx.int32)
-        table = self.__dict__.get("_prev_table")
-        if table is None or table[0] is not vocab:
-            t = mx.full((self.args.vocab_size,), vocab.shape[0], dtype=mx.int32)
-            t[vocab] = mx.arange(vocab.shape[0], dtype=mx.int32)
-            table = (vocab, t)
-            object.__setattr__(self, "_prev_table", table)
-        return table[1][tokens.astype(mx.int32)]
 
     def propose(
         self,
@@ -182,9 +164,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         """K drafts by the selector walk; when sampling, the proposal [K, V] (supported on each
         position's K candidates: rejection sampling stays exact)."""
         K = num_drafts
-        mask_ids = mx.full((block_size - 1,), self.args.mask_token_id, dtype=anchor.dtype)
-        embeds = self.embed_block(target, mx.concatenate([anchor, mask_ids])[None])
-        hidden = self(embeds, cache)[0, 1 : 1 + K]
+        hidden = self.block_hidden(target, anchor, cache, block_size)[1 : 1 + K]
         sel = self.candidate_selector
         cand, unary_k = sel.candidates(self.head(target, hidden).astype(mx.float32))
         first, rest = sel.lattice(cand, unary_k, hidden, self.prev_rows(anchor)[0])

@@ -65,6 +65,7 @@ class ConfidenceHead(nn.Module):
 
 class DSparkDraftModel(DFlashDraftModel):
     family = "dspark"
+    fixed_vocab = True
 
     def __init__(self, args: DraftArgs):
         super().__init__(args)
@@ -84,25 +85,6 @@ class DSparkDraftModel(DFlashDraftModel):
     def max_drafts(self) -> int:
         """g inputs give g drafts; the block width never changes (DFlash widens its block)."""
         return self.block_size
-
-    def set_draft_vocab(self, ids: mx.array) -> None:
-        if ids.shape[0] != self.args.draft_vocab_size:
-            raise ValueError("a DSpark drafter's vocabulary size is fixed when it is built "
-                             f"({self.args.draft_vocab_size}), got {ids.shape[0]} ids")
-        super().set_draft_vocab(ids)
-
-    def prev_index(self, tokens: mx.array) -> mx.array:
-        """Target ids -> rows of W1 (the last row stands for ids outside the vocabulary)."""
-        vocab = self.vocab_ids
-        if vocab is None:
-            return tokens.astype(mx.int32)
-        table = self.__dict__.get("_prev_table")
-        if table is None or table[0] is not vocab:
-            t = mx.full((self.args.vocab_size,), vocab.shape[0], dtype=mx.int32)
-            t[vocab] = mx.arange(vocab.shape[0], dtype=mx.int32)
-            table = (vocab, t)
-            object.__setattr__(self, "_prev_table", table)
-        return table[1][tokens.astype(mx.int32)]
 
     def markov(self, prev: mx.array, hidden: mx.array, state: mx.array | None):
         """(W1[prev] or None, Markov bias or 0, new state) for one slot or a [.., g] batch."""
@@ -143,7 +125,7 @@ class DSparkDraftModel(DFlashDraftModel):
         (teacher forcing: the anchor, then the labels)."""
         embeds = self.embed_block(target, blocks)
         hidden = self.train_hidden(embeds, features, anchors)
-        return self.block_logits(target, hidden, self.prev_index(prev))
+        return self.block_logits(target, hidden, self.prev_rows(prev))
 
     def propose(
         self,
@@ -155,12 +137,10 @@ class DSparkDraftModel(DFlashDraftModel):
         params: SamplingParams,
     ) -> tuple[mx.array, mx.array | None]:
         """K <= g drafts by the Markov walk from the anchor (lazy: no host sync)."""
-        g, K = self.block_size, num_drafts
-        mask_ids = mx.full((g - 1,), self.args.mask_token_id, dtype=anchor.dtype)
-        embeds = self.embed_block(target, mx.concatenate([anchor, mask_ids])[None])
-        hidden = self(embeds, cache)[0, :K]
+        K = num_drafts
+        hidden = self.block_hidden(target, anchor, cache, self.block_size)[:K]
         unary = self.head(target, hidden)  # [K, V']
-        prev, state = self.prev_index(anchor)[0], None
+        prev, state = self.prev_rows(anchor)[0], None
         drafts, probs, conf = [], [], []
         for k in range(K):
             prev_emb, bias, state = self.markov(prev, hidden[k], state)
