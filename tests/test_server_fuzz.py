@@ -3,7 +3,7 @@
 Valid and invalid bodies (wrong types, missing fields, out-of-range numbers) are generated for
 every operation with a fixed seed; a small context keeps any generation short. String `model`
 fields are set to the served name so that valid bodies get as far as generating. Every 4xx must
-carry an OpenAI-style error body.
+carry an OpenAI-style error body (Anthropic-style under /v1/messages).
 """
 
 import pytest
@@ -55,5 +55,13 @@ def test_no_server_errors(case, server):
     response = case.call(base_url=server.url, timeout=60)
     assert response.status_code < 500, (response.status_code, response.text[:500])
     if response.status_code >= 400:
-        error = response.json()["error"]
+        body = response.json()
+        error = body["error"]
         assert error["message"] and error["type"] == "invalid_request_error"
+        if case.path == "/v1/messages":
+            assert body["type"] == "error" and set(error) == {"type", "message"}
+
+
+def test_the_messages_endpoint_is_fuzzed(api_schema):
+    paths = {op.ok().path for op in api_schema.get_all_operations()}
+    assert {"/v1/messages", "/v1/chat/completions", "/v1/completions"} <= paths

@@ -1,8 +1,10 @@
-"""Load: 8 concurrent streaming clients x 5 requests each against one server.
+"""Load: 8 concurrent streaming clients x 5 requests each against one server, half of them on
+the OpenAI chat endpoint and half on Anthropic's /v1/messages.
 
 Every greedy reply must equal the sequential `mlx_dflash.generate` output (the single worker
 serializes the model, so concurrency must not change a token), nothing may fail, and memory
-must come back to where it was after a warm-up.
+must come back to where it was after a warm-up (less what the prefix cache holds, which stays
+under its budget).
 """
 
 import gc
@@ -11,6 +13,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import anthropic
 import httpx
 import mlx.core as mx
 import openai
@@ -43,20 +46,37 @@ def work(client_id: int, rounds: int) -> list[tuple[str, int]]:
 def run_clients(url: str, rounds: int) -> tuple[dict, list]:
     results, errors = {}, []
 
+    def openai_stream(client: openai.OpenAI, prompt: str, max_tokens: int) -> str:
+        stream = client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True})
+        chunks = list(stream)
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert reasons[-1] in ("stop", "length") and chunks[-1].usage is not None
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    def anthropic_stream(client: anthropic.Anthropic, prompt: str, max_tokens: int) -> str:
+        with client.messages.stream(model=NAME, max_tokens=max_tokens,
+                                    messages=[{"role": "user", "content": prompt}],
+                                    extra_body={"temperature": 0}) as stream:
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        assert final.stop_reason in ("end_turn", "max_tokens") and final.usage.output_tokens
+        return text
+
     def one_client(cid: int) -> None:
-        client = openai.OpenAI(api_key="unused", base_url=f"{url}/v1", max_retries=0,
-                               timeout=120)
+        if cid % 2:
+            client = anthropic.Anthropic(api_key="unused", base_url=url, max_retries=0,
+                                         timeout=120)
+            ask = anthropic_stream
+        else:
+            client = openai.OpenAI(api_key="unused", base_url=f"{url}/v1", max_retries=0,
+                                   timeout=120)
+            ask = openai_stream
         try:
             for prompt, max_tokens in work(cid, rounds):
-                stream = client.chat.completions.create(
-                    model=NAME, messages=[{"role": "user", "content": prompt}],
-                    max_tokens=max_tokens, temperature=0, stream=True,
-                    stream_options={"include_usage": True})
-                chunks = list(stream)
-                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-                reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
-                assert reasons[-1] in ("stop", "length") and chunks[-1].usage is not None
-                results[(prompt, max_tokens)] = text
+                results[(prompt, max_tokens)] = ask(client, prompt, max_tokens)
         except Exception as e:  # noqa: BLE001 (collected and reported by the test)
             errors.append(repr(e))
         finally:
@@ -74,11 +94,13 @@ def test_concurrent_streaming_clients():
     want = {(p, n): generate(model, drafter, tok, p, max_tokens=n)
             for cid in range(CLIENTS) for p, n in work(cid, ROUNDS)}
 
-    with BackgroundServer(create_app(model, drafter, tok, model_name=NAME)) as server:
+    app = create_app(model, drafter, tok, model_name=NAME)
+    with BackgroundServer(app) as server:
         _, errors = run_clients(server.url, 1)  # warm-up: compile, caches, client pools
         assert not errors, errors
+        store = app.state.pool.get(NAME).prefix_cache
         gc.collect()
-        rss_before, active_before = rss_bytes(), mx.get_active_memory()
+        rss_before, active_before = rss_bytes(), mx.get_active_memory() - store.nbytes
 
         pending, done = [], threading.Event()
 
@@ -104,7 +126,8 @@ def test_concurrent_streaming_clients():
         while server.app.state.worker.pending:
             time.sleep(0.01)
         gc.collect()
-        rss_after, active_after = rss_bytes(), mx.get_active_memory()
+        rss_after, active_after = rss_bytes(), mx.get_active_memory() - store.nbytes
+        assert store.nbytes <= store.max_bytes
     print(f"\n{CLIENTS * ROUNDS} streams in {elapsed:.1f} s; rss {rss_before / 2**20:.0f} -> "
           f"{rss_after / 2**20:.0f} MiB; mlx active {active_before} -> {active_after} B")
     assert rss_after <= 1.10 * rss_before
