@@ -211,8 +211,9 @@ def stream_generate(
     ``prompt_cache`` (a :class:`~mlx_dflash.prompt_cache.PairCache` holding a proper prefix of
     the prompt, or empty) is continued from: only the rest of the prompt is prefilled
     (``stats.cached_tokens`` says how much was not). When generation ends its caches hold the
-    whole sequence but the last token, named by ``prompt_cache.tokens``; if the generator is
-    closed early they are cut back where that is exact, else ``tokens`` stays None (unusable).
+    whole sequence (with any verified tokens past a stop), named by ``prompt_cache.tokens``; if
+    the generator is closed early they are cut back where that is exact, else ``tokens`` stays
+    None (unusable).
     """
     params = SamplingParams(temperature, top_p, top_k)
     if max_tokens < 0:
@@ -335,7 +336,7 @@ def stream_generate(
             stats.generation_tps = stats.generation_tokens / max(time.perf_counter() - tic, 1e-9)
             if reason is not None:
                 if prompt_cache is not None:
-                    _settle(prompt_cache, target, drafter, held[:-1], backlog, pending)
+                    _settle(prompt_cache, target, drafter, held, backlog, pending, layer_ids)
                 final = finish(reason)
                 final.tokens, final.accepted = new_tokens, accepted
                 yield final
@@ -382,13 +383,20 @@ def stream_generate(
 # -- leaving a prompt_cache named (used only with stream_generate(prompt_cache=...)) ----------
 def _settle(
     prompt_cache: PairCache, target: Target, drafter: Any, held: list[int],
-    backlog: list[mx.array], pending: Any,
+    backlog: list[mx.array], pending: Any, layer_ids: Sequence[int],
 ) -> None:
-    """At the end of generation: undo the cycle started ahead (if any), give the drafter the
-    features it has not read, so both caches hold exactly ``held``."""
+    """At the end of generation: run the last token through the target (the cycle started
+    ahead already did: keep only that of its pass) and give the drafter the features it has not
+    read, so both caches hold exactly ``held``. Lazy: evaluated while the caller reads on."""
+    cache = prompt_cache.target
     if pending is not None:
-        target.rollback(prompt_cache.target, pending[0] + 1)  # its whole pass: anchor + drafts
-    if backlog:
+        target.rollback(cache, pending[0])  # its drafts; its first position is the last token
+        features = pending[2][2]
+    else:
+        _, features = target.hidden_states(mx.array([held[-1:]], dtype=mx.uint32), cache,
+                                           layer_ids)
+    if drafter is not None:
+        backlog.append(features[:, :1])
         drafter.commit(mx.concatenate(backlog, axis=1), prompt_cache.drafter)
         backlog.clear()
     prompt_cache.hold(held)

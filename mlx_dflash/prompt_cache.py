@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generator, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -123,10 +123,10 @@ class PairCache:
         return n
 
     def hold(self, tokens: Sequence[int]) -> None:
-        """Name the contents: the caches hold exactly ``tokens``. Evaluates them."""
+        """Name the contents: the caches hold exactly ``tokens``. Starts evaluating them."""
         if self.target is not None:
             self.target.last_pass = None  # a rollback record would keep the last pass alive
-        mx.eval([c.state for c in self.layers])
+        mx.async_eval([c.state for c in self.layers])
         self.tokens = list(tokens)
 
     def trim_to(self, n: int) -> bool:
@@ -187,19 +187,20 @@ class _Entry:
 
 
 class PrefixCache:
-    """Finished pairs keyed by their tokens, least recently used first out above ``max_bytes``;
-    with ``directory``, also on disk (at most ``max_disk_bytes``) for entries of the models
-    named by ``fingerprint`` (see :func:`fingerprint`)."""
+    """Finished pairs keyed by their tokens, least recently used first out above ``max_bytes``
+    (or ``max_entries``); with ``directory``, also on disk (at most ``max_disk_bytes``) for
+    entries of the models named by ``fingerprint`` (see :func:`fingerprint`)."""
 
     def __init__(
         self,
         max_bytes: int,
         *,
+        max_entries: int | None = None,
         directory: str | os.PathLike | None = None,
         max_disk_bytes: int | None = None,
         fingerprint: str = "",
     ):
-        self.max_bytes = max_bytes
+        self.max_bytes, self.max_entries = max_bytes, max_entries
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest use first
         self.nbytes = 0
         self.disk = None
@@ -265,7 +266,8 @@ class PrefixCache:
         self._pop(key)
         self._entries[key] = entry
         self.nbytes += entry.nbytes
-        while self.nbytes > self.max_bytes and len(self._entries) > 1:
+        while len(self._entries) > 1 and (self.nbytes > self.max_bytes or len(self._entries) > (
+                self.max_entries or len(self._entries))):
             self._pop(next(iter(self._entries)))
         if self.nbytes > self.max_bytes:
             self._pop(key)
@@ -465,6 +467,7 @@ def stream_generate_cached(
     *,
     take: bool | None = None,
     checkpoints: Sequence[int] = (),
+    generate: Callable[..., Any] | None = None,
     **kwargs: Any,
 ) -> Generator[Any, None, None]:
     """``stream_generate`` continuing from the store's longest usable prefix; the finished pair
@@ -472,7 +475,8 @@ def stream_generate_cached(
 
     For targets whose caches cannot be cut back, the pair is also stored at each position in
     ``checkpoints`` (e.g. where the system prompt ends) and where the prompt ends, less its last
-    token: the states later requests can continue from exactly.
+    token: the states later requests can continue from exactly. ``generate`` stands in for
+    ``stream_generate`` (it must accept ``prompt_cache``).
     """
     from .decode import as_target, block_width, encode_prompt, prefill, stream_generate
 
@@ -492,7 +496,8 @@ def stream_generate_cached(
             pair.hold(tokens[:stop])
             store.insert(pair.fork())
     checkpoint_s = time.perf_counter() - tic
-    gen = stream_generate(model, drafter, tokenizer, tokens, prompt_cache=pair, **kwargs)
+    generate = generate or stream_generate
+    gen = generate(model, drafter, tokenizer, tokens, prompt_cache=pair, **kwargs)
     try:
         for i, response in enumerate(gen):
             if i == 0 and response.stats.cached_tokens != cached and response.stats.prompt_tps:

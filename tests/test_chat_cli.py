@@ -19,7 +19,8 @@ TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}w22{% endif %}"
 )
 STATS = re.compile(
-    r"\[[\d.]+ tok/s \| mean acceptance length [\d.]+ \(block 4\) \| est\. speedup [\d.]+x\]"
+    r"\[[\d.]+ tok/s \| mean acceptance length [\d.]+ \(block 4\) \| est\. speedup [\d.]+x"
+    r" \| prefilled (\d+) of (\d+) prompt tokens\]"
 )
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 MAX_TOKENS = 10
@@ -41,13 +42,13 @@ def expected_reply(target, drafter, tokenizer, messages):
 
 
 def say(child, text):
-    """Send one user turn; return (reply, stats line) as shown on the terminal."""
+    """Send one user turn; return (reply, (prefilled, prompt tokens)) as shown on the terminal."""
     child.expect_exact(">> ")
     child.sendline(text)
     child.expect_exact(text)  # the terminal's echo of the input line
     child.expect(STATS)
     reply = ANSI.sub("", child.before).replace("\r\n", "\n").strip("\n")
-    return reply, child.after
+    return reply, (int(child.match.group(1)), int(child.match.group(2)))
 
 
 def test_chat_two_turns_reset_exit(tiny_chat_pair):
@@ -96,6 +97,55 @@ def test_chat_two_turns_reset_exit(tiny_chat_pair):
     assert child.exitstatus == 0
 
 
+def test_chat_prefills_only_the_new_turn(tiny_chat_pair):
+    """Turn 3 prefills only turn 3's tokens: the caches of turns 1 and 2 are kept."""
+    from mlx_lm import load
+
+    target_dir, drafter_dir = tiny_chat_pair
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "mlx_dflash.cli", "chat", "--model", str(target_dir), "--drafter",
+         str(drafter_dir), "--max-tokens", str(MAX_TOKENS), "--system", "w8 w9 w10"],
+        encoding="utf-8", timeout=30, dimensions=(24, 200),
+    )
+    try:
+        target, tokenizer = load(str(target_dir))
+        drafter = mlx_dflash.load_drafter(drafter_dir)
+        history = [{"role": "system", "content": "w8 w9 w10"}]
+        for turn, text in enumerate(["w5 w6 w7", "w30 w31", "w40 w41 w42"], 1):
+            before = tokenizer.apply_chat_template(history) if turn > 1 else []
+            history.append({"role": "user", "content": text})
+            prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True)
+            reply, (prefilled, total) = say(child, text)
+            assert reply == expected_reply(target, drafter, tokenizer, history)
+            assert total == len(prompt)
+            assert prompt[: len(before)] == before
+            if turn == 1:
+                assert prefilled == total
+            else:  # only what the new turn added to the template's text
+                assert prefilled == len(prompt) - len(before), (turn, prefilled, total)
+            history.append({"role": "assistant", "content": reply})
+        child.expect_exact(">> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+
+
+def test_chat_max_kv_size_drops_the_oldest_exchanges(tiny_chat_pair):
+    from typer.testing import CliRunner
+
+    from mlx_dflash.cli import app
+
+    target_dir, drafter_dir = tiny_chat_pair
+    args = ["chat", "--model", str(target_dir), "--drafter", str(drafter_dir), "-n", "4",
+            "--system", "w8", "--max-kv-size", "16"]
+    result = CliRunner().invoke(app, args, input="w5 w6 w7\nw30 w31\nw40 w41\n")
+    assert result.exit_code == 0, result.output
+    assert "[dropped the 2 oldest messages to stay within --max-kv-size]" in result.output
+    assert len(STATS.findall(result.output)) == 3
+
+
 def test_chat_help_explains_the_estimate():
     from typer.testing import CliRunner
 
@@ -104,8 +154,8 @@ def test_chat_help_explains_the_estimate():
     result = CliRunner().invoke(app, ["chat", "--help"], terminal_width=400)
     text = " ".join(result.output.split())
     assert result.exit_code == 0
-    for phrase in ("/reset", "/exit", "--system-prompt", "--block-size", "est. speedup",
-                   "committed tokens x t(1-token pass)"):
+    for phrase in ("/reset", "/exit", "--system-prompt", "--system", "--max-kv-size",
+                   "--block-size", "est. speedup", "committed tokens x t(1-token pass)"):
         assert phrase in text, phrase
 
 

@@ -12,6 +12,7 @@ from .app import app, fail
 from .common import PrefillProgress, load_pair
 
 COMMANDS = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
+SESSION_ENTRIES = 3  # cache entries a chat keeps: its last reply, and checkpoints
 
 
 def estimate_speedup(stats: Any, costs: Any, context: int) -> float:
@@ -31,6 +32,20 @@ def render_prompt(tokenizer: Any, messages: list[dict]) -> list[int]:
     if isinstance(out, dict) or hasattr(out, "input_ids"):  # BatchEncoding from some versions
         out = out["input_ids"]
     return [int(t) for t in out]
+
+
+def fit_context(tokenizer: Any, messages: list[dict], max_kv: int | None,
+                max_tokens: int) -> tuple[list[int], int]:
+    """The prompt, after dropping the oldest exchanges (never the system prompt or the new
+    message) until prompt + reply fit in ``max_kv`` tokens; and how many messages went."""
+    prompt = render_prompt(tokenizer, messages)
+    dropped = 0
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    while max_kv is not None and len(prompt) + max_tokens > max_kv and len(messages) - first > 1:
+        del messages[first : first + 2]  # a user message and the reply to it
+        dropped += 2
+        prompt = render_prompt(tokenizer, messages)
+    return prompt, dropped
 
 
 @app.command(
@@ -54,8 +69,12 @@ def chat(
     top_k: int = typer.Option(0, "--top-k", min=0),
     block_size: Optional[int] = typer.Option(None, "--block-size", "-b", min=1,
                                              help="Block size (default: the drafter's)."),
-    system_prompt: Optional[str] = typer.Option(None, "--system-prompt", "-s",
+    system_prompt: Optional[str] = typer.Option(None, "--system-prompt", "--system", "-s",
                                                 help="A system message opening the chat."),
+    max_kv_size: Optional[int] = typer.Option(
+        None, "--max-kv-size", "--max-kv", min=2,
+        help="Most tokens of conversation kept (prompt + reply): the oldest exchanges are "
+        "dropped (the system prompt stays). Default: no limit."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
     copy: bool = typer.Option(COPY_DRAFTS, "--copy/--no-copy",
                               help="Copy drafts: verify what followed an earlier occurrence of "
@@ -64,13 +83,15 @@ def chat(
     """Chat with the model (multi-turn, its chat template), one statistics line per reply.
 
     /reset clears the conversation; /exit, Ctrl-D or Ctrl-C at the prompt quit; Ctrl-C during a
-    reply stops it. The whole conversation is re-rendered through the template every turn.
+    reply stops it. The whole conversation is rendered through the template every turn, and the
+    caches of the turns before are kept, so only the new turn is prefilled.
     """
     if top_p == 0:
         fail("--top-p must be in (0, 1]")
     import mlx.core as mx
 
-    from ..decode import block_width, stream_generate
+    from ..decode import block_width
+    from ..prompt_cache import PrefixCache, stream_generate_cached
 
     tic = time.perf_counter()
     target, draft, tokenizer = load_pair(model, drafter)
@@ -97,6 +118,7 @@ def chat(
         pass
     start = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages = list(start)
+    session = PrefixCache(1 << 62, max_entries=SESSION_ENTRIES)  # this conversation's caches
     while True:
         try:
             text = input(">> ")
@@ -110,6 +132,7 @@ def chat(
             return
         if stripped == "/reset":
             messages = list(start)
+            session.clear()
             typer.echo("[conversation cleared]", err=True)
             continue
         if stripped == "/help":
@@ -117,19 +140,24 @@ def chat(
             continue
 
         messages.append({"role": "user", "content": text})
-        prompt = render_prompt(tokenizer, messages)
+        prompt, dropped = fit_context(tokenizer, messages, max_kv_size, max_tokens)
+        if dropped:
+            typer.echo(f"[dropped the {dropped} oldest messages to stay within --max-kv-size]",
+                       err=True)
         progress = PrefillProgress()
         reply, last = [], None
+        gen = stream_generate_cached(
+            session, target, draft, tokenizer, prompt, take=True, max_tokens=max_tokens,
+            temperature=temp, top_p=top_p, top_k=top_k, block_size=block_size,
+            prompt_progress=progress, copy_drafts=copy,
+        )
         try:
-            for last in stream_generate(
-                target, draft, tokenizer, prompt, max_tokens=max_tokens, temperature=temp,
-                top_p=top_p, top_k=top_k, block_size=block_size, prompt_progress=progress,
-                copy_drafts=copy,
-            ):
+            for last in gen:
                 progress.clear()
                 reply.append(last.text)
                 print(last.text, end="", flush=True)
         except KeyboardInterrupt:
+            gen.close()  # keeps what can be kept of the caches
             progress.clear()
             messages.pop()  # the turn never completed: forget it
             print()
@@ -143,6 +171,7 @@ def chat(
             typer.secho(
                 f"[{s.generation_tps:.1f} tok/s | mean acceptance length "
                 f"{s.mean_acceptance_length:.2f} (block {s.block_size}) | "
-                f"est. speedup {speedup:.2f}x]",
+                f"est. speedup {speedup:.2f}x | prefilled {s.prefilled_tokens} of "
+                f"{s.prompt_tokens} prompt tokens]",
                 fg=typer.colors.CYAN, err=True,
             )

@@ -63,3 +63,18 @@ def chat_prompt(tokenizer: Any, text: str, use_template: bool = True) -> str | l
         messages = [{"role": "user", "content": text}]
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return text
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'2GB', '512MiB', '1.5g', '0' -> bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (e.g. 2GB, 512MiB, 0)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

@@ -1,54 +1,118 @@
-"""`mlx-dflash serve`: an OpenAI-compatible HTTP server (chat and text completions, streaming)."""
+"""`mlx-dflash serve`: an OpenAI- and Anthropic-compatible HTTP server (chat and text completions,
+Messages; streaming), for one or several models, with prefix caches in memory and on disk."""
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import List, Optional
 
 import typer
 
 from ..decode import COPY_DRAFTS
 from .app import app, fail
-from .common import load_pair
+from .common import load_pair, parse_size
+
+
+def _size(option: str, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        fail(f"{option}: {e}")
+
+
+def _entries(models: list[str], drafters: list[str], names: list[str],
+             config: str | None) -> list:
+    """What to serve: the config file's models, or --model/--drafter/--model-name in order."""
+    from ..server.models import ModelEntry, read_models_config
+
+    if config is not None:
+        if models or drafters or names:
+            fail("--models-config replaces --model, --drafter and --model-name")
+        try:
+            return read_models_config(config)
+        except (OSError, ValueError) as e:
+            fail(str(e))
+    models = models or [None]  # the default pair
+    if drafters and len(drafters) != len(models):
+        fail("give one --drafter per --model (in the same order), or none")
+    if names and len(names) != len(models):
+        fail("give one --model-name per --model (in the same order)")
+    drafters, names = drafters or [None] * len(models), names or [None] * len(models)
+    return [ModelEntry(n, m, d) for n, m, d in zip(names, models, drafters)]
 
 
 @app.command()
 def serve(
-    model: Optional[str] = typer.Option(
-        None, "--model", "-m", help="mlx-lm target (dir or hub id). Default: the built-in pair."),
-    drafter: Optional[str] = typer.Option(
-        None, "--drafter", "-d", help="Drafter dir or hub id ('none': target alone)."),
+    model: List[str] = typer.Option(
+        [], "--model", "-m", help="mlx-lm target (dir or hub id); repeatable, to serve several "
+        "models by name. Default: the built-in pair."),
+    drafter: List[str] = typer.Option(
+        [], "--drafter", "-d", help="Drafter dir or hub id ('none': target alone); one per "
+        "--model, in order."),
+    model_name: List[str] = typer.Option(
+        [], "--model-name", help="Name clients send as 'model' (default: --model); one per "
+        "--model."),
+    models_config: Optional[str] = typer.Option(
+        None, "--models-config", help="JSON file: [{\"name\", \"model\", \"drafter\", "
+        "\"block_size\"}, ...] (instead of --model/--drafter/--model-name)."),
+    model_memory: Optional[str] = typer.Option(
+        None, "--model-memory", help="Most bytes of weights kept loaded (e.g. 12GB); the least "
+        "recently used models are unloaded beyond it. Default: no limit."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8080, "--port", "-p", min=0, max=65535),
     api_key: Optional[str] = typer.Option(
         None, "--api-key", envvar="MLX_DFLASH_API_KEY",
-        help="Require 'Authorization: Bearer KEY' on /v1/* (env MLX_DFLASH_API_KEY)."),
+        help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1/* (env "
+        "MLX_DFLASH_API_KEY)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", "-b", min=1,
                                              help="Block size (default: the drafter's)."),
-    model_name: Optional[str] = typer.Option(
-        None, "--model-name", help="Name clients must send as 'model' (default: --model)."),
     max_context: Optional[int] = typer.Option(
         None, "--max-context", min=2, help="Context size (default: the target's config)."),
+    cache_memory: str = typer.Option(
+        "2GB", "--cache-memory", help="Prefix caches kept in memory, per loaded model (least "
+        "recently used out first); 0: none."),
+    cache_dir: Optional[str] = typer.Option(
+        None, "--cache-dir", help="Also keep prefix caches on disk here (they survive "
+        "restarts)."),
+    cache_disk: Optional[str] = typer.Option(
+        None, "--cache-disk", help="Most bytes of prefix caches on disk, per model (oldest use "
+        "out first). Default: no limit."),
     log_level: str = typer.Option("info", "--log-level"),
     copy: bool = typer.Option(COPY_DRAFTS, "--copy/--no-copy",
                               help="Copy drafts: verify what followed an earlier occurrence of "
                               "the last tokens when there is one."),
 ) -> None:
-    """Serve the model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions)."""
+    """Serve models over OpenAI- and Anthropic-compatible APIs (/v1/chat/completions,
+    /v1/completions, /v1/messages, /v1/models)."""
     try:
         import uvicorn
 
         from ..server import create_app
+        from ..server.models import CacheSettings, lazy_model
     except ModuleNotFoundError as e:
         fail(f"{e.name} is needed for serving: pip install fastapi uvicorn")
-    target, draft, tokenizer = load_pair(model, drafter)
-    if model_name is None:
-        from ..default_target import DEFAULT_TARGET_NAME
+    from ..default_target import DEFAULT_TARGET_NAME
 
-        model_name = model if model is not None else DEFAULT_TARGET_NAME
-    server_app = create_app(target, draft, tokenizer, model_name=model_name, api_key=api_key,
-                            max_context=max_context, block_size=block_size,
-                            copy_drafts=copy)
-    typer.secho(f"Serving '{model_name}' at http://{host}:{port}/v1"
+    budget = _size("--model-memory", model_memory)
+    cache = CacheSettings(_size("--cache-memory", cache_memory), cache_dir,
+                          _size("--cache-disk", cache_disk))
+    served = []
+    for entry in _entries(model, drafter, model_name, models_config):
+        name = entry.name or entry.model or DEFAULT_TARGET_NAME
+        load = functools.partial(load_pair, entry.model, entry.drafter)
+        served.append(lazy_model(name, load, block_size=entry.block_size or block_size,
+                                 max_context=max_context))
+        if budget is not None and len(served) > 1 and sum(s.nbytes for s in served) > budget:
+            served[-1].model = served[-1].drafter = None  # loaded again on first use
+    try:
+        server_app = create_app(models=served, model_memory=budget, cache=cache,
+                                api_key=api_key, copy_drafts=copy)
+    except ValueError as e:
+        fail(str(e))
+    names = ", ".join(f"'{s.name}'" for s in served)
+    typer.secho(f"Serving {names} at http://{host}:{port}/v1"
                 + (" (API key required)" if api_key else ""), fg=typer.colors.CYAN, err=True)
     # A bounded graceful shutdown: on Ctrl-C, open streams get 5 s, then they are cancelled.
     uvicorn.run(server_app, host=host, port=port, log_level=log_level,
