@@ -485,6 +485,8 @@ def stream_generate_cached(
     if block_width(drafter, kwargs.get("block_size"), kwargs.get("schedule", True)) == 1:
         drafter = None  # as stream_generate does: nothing to draft, no context to keep
     pair, cached = store.fetch(tokens, take=take)
+    if drafter is not None and pair.drafter is None and pair.tokens:
+        pair, cached = PairCache(), 0  # kept without a drafter context: of no use here
     pair.ensure(target, drafter)
     tic = time.perf_counter()
     end = len(tokens) - 1

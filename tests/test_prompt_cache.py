@@ -240,3 +240,19 @@ def test_disk_budget_evicts_oldest(tmp_path):
         run(stream_generate_cached(store, *pair, tok, [60 + i] + PREFIX[:199], max_tokens=4))
         assert store.disk.nbytes <= store.disk.max_bytes
     assert len(store.disk) == 2 and len(store) == 0
+
+
+@pytest.mark.parametrize("family", ["dspark", "dflash2"])
+def test_reuse_is_lossless_with_other_drafter_families(family):
+    from test_dflash2 import make_dflash2
+    from test_dspark import make_dspark
+
+    model = make_target("qwen3", vocab_size=V)
+    pair = (model, make_dspark(model) if family == "dspark" else make_dflash2(model))
+    store = PrefixCache(1 << 30)
+    a, b = PREFIX[:300] + [10, 11], PREFIX[:300] + [20, 21, 22]
+    for prompt, seed in ((a, 1), (b, 2), (a + [40], 3)):
+        for temperature in (0.0, 1.0):
+            out, _ = cached(store, pair, prompt, seed, max_tokens=12, temperature=temperature)
+            assert out == fresh(pair, prompt, seed, max_tokens=12, temperature=temperature)
+    assert cached(store, pair, b + [41], 4, max_tokens=4)[1].cached_tokens >= len(b)

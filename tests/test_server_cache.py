@@ -273,3 +273,80 @@ def test_tool_calls_come_back_in_anthropic_shape(tool_server):
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": r.content[1].id,
                                       "content": "w9"}]}]
     assert client.messages.create(**{**kw, "messages": follow}).stop_reason == "tool_use"
+
+
+# -- the command line ------------------------------------------------------------------------
+def _serve(args, port):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_dflash.cli", "serve", "--port", str(port),
+                             "--log-level", "warning", *args], env=dict(os.environ),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while True:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "serve did not come up"
+        time.sleep(0.2)
+
+
+def _stop(proc):
+    import signal
+
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+
+
+def test_serve_several_models_with_a_disk_cache(tmp_path):
+    import socket
+
+    from mlx_lm import load
+    from tiny import save_target
+
+    from mlx_dflash import load_drafter, save_drafter
+
+    dirs = {}
+    for name, seed in (("a", 0), ("b", 10)):
+        model = make_target("qwen3", vocab_size=V, seed=seed)
+        dirs[name] = save_target(model, make_tokenizer(V), tmp_path / name)
+    save_drafter(make_drafter(make_target("qwen3", vocab_size=V), block_size=4), tmp_path / "d")
+    prompt = " ".join(["w7"] * 200) + " w8 w9"
+    want = {}
+    for name, drafter in (("a", tmp_path / "d"), ("b", None)):
+        model, tok = load(str(dirs[name]))
+        want[name] = generate(model, load_drafter(str(drafter)) if drafter else None, tok, prompt,
+                              max_tokens=8)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["--model", str(dirs["a"]), "--drafter", str(tmp_path / "d"), "--model-name", "a",
+            "--model", str(dirs["b"]), "--drafter", "none", "--model-name", "b",
+            "--cache-dir", str(tmp_path / "cache"), "--cache-memory", "64MB",
+            "--cache-disk", "1GB"]
+    url = f"http://127.0.0.1:{port}/v1"
+    proc = _serve(args, port)
+    try:
+        client = openai.OpenAI(api_key="unused", base_url=url, max_retries=0)
+        assert [m.id for m in client.models.list()] == ["a", "b"]
+        for name in ("a", "b"):
+            r = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0)
+            assert r.choices[0].text == want[name]
+    finally:
+        _stop(proc)
+    proc = _serve(args, port)  # a restart: the prefixes come back from disk
+    try:
+        client = openai.OpenAI(api_key="unused", base_url=url, max_retries=0)
+        for name in ("a", "b"):
+            r = client.completions.create(model=name, prompt=prompt + " w10", max_tokens=8,
+                                          temperature=0)
+            assert r.usage.prompt_tokens_details.cached_tokens >= 202, name
+    finally:
+        _stop(proc)
