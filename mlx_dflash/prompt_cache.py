@@ -174,6 +174,10 @@ def usable_prefix(ids: np.ndarray, trimmable: bool, prompt: np.ndarray) -> int:
     return len(ids) if common == len(ids) <= limit else 0
 
 
+def _ids(tokens: Sequence[int]) -> np.ndarray:
+    return np.asarray(tokens, dtype=np.int32)  # compared many times: numpy, 4 bytes a token
+
+
 def _key(ids: np.ndarray) -> str:
     return hashlib.sha256(ids.astype("<i8").tobytes()).hexdigest()[:40]
 
@@ -220,7 +224,7 @@ class PrefixCache:
         empty pair and 0. ``take``: hand over the stored pair itself (it leaves the store) rather
         than a fork of it; by default only when it can be cut back and is a prefix of
         ``tokens`` (then the finished request's entry makes it redundant anyway)."""
-        prompt = np.asarray(tokens, dtype=np.int64)
+        prompt = _ids(tokens)
         key, best = None, 0
         for k, e in self._entries.items():
             n = usable_prefix(e.ids, e.trimmable, prompt)
@@ -230,7 +234,7 @@ class PrefixCache:
             disk_key, n = self.disk.best(prompt)
             if n > best and (pair := self.disk.load(disk_key)) is not None:
                 key, best = disk_key, n
-                self._add(disk_key, _Entry(pair, np.asarray(pair.tokens, dtype=np.int64),
+                self._add(disk_key, _Entry(pair, _ids(pair.tokens),
                                            pair.nbytes, pair.trimmable()))
         if key is None or key not in self._entries:
             return PairCache(), 0
@@ -250,7 +254,7 @@ class PrefixCache:
         """Keep a finished pair (the store owns it from now on: do not use it any more)."""
         if not pair.tokens:
             return
-        ids = np.asarray(pair.tokens, dtype=np.int64)
+        ids = _ids(pair.tokens)
         key = _key(ids)
         entry = _Entry(pair, ids, pair.nbytes, pair.trimmable())
         self._pop(key)
@@ -369,7 +373,7 @@ class DiskCache:
         try:
             meta = _read_header(path)
             self._check_meta(meta)
-            ids = np.asarray(json.loads(meta["tokens"]), dtype=np.int64)
+            ids = _ids(json.loads(meta["tokens"]))
             if path.stem != _key(ids):
                 raise ValueError("the file name does not match its tokens")
         except Exception as e:  # noqa: BLE001 (any unreadable file is skipped, never fatal)
@@ -438,7 +442,7 @@ class DiskCache:
             log.warning("prompt cache: could not write %s: %s", path, e)
             tmp.unlink(missing_ok=True)
             return
-        ids = np.asarray(pair.tokens, dtype=np.int64)
+        ids = _ids(pair.tokens)
         if trimmable:
             for k in [k for k, e in self._index.items() if _is_prefix(e.ids, ids)]:
                 self._remove(k)
@@ -494,7 +498,7 @@ def stream_generate_cached(
         for stop in sorted({p for p in (*checkpoints, end) if cached < p <= end}):
             start = pair.begin(tokens, target, drafter)
             prefill(target, tokens[start:stop], pair.target, drafter, pair.drafter,
-                    kwargs.get("prefill_step_size", 2048))
+                    kwargs.get("prefill_step_size", 2048), kwargs.get("prompt_progress"))
             pair.hold(tokens[:stop])
             store.insert(pair.fork())
     checkpoint_s = time.perf_counter() - tic
