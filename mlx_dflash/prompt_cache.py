@@ -321,9 +321,13 @@ def _digest(layers: list[Any]) -> str:
     return h.hexdigest()
 
 
+LAYER_CLASSES = {"KVCache", "RotatingKVCache", "ArraysCache"}  # what a file may name
+
+
 def _read_header(path: Path) -> dict[str, str]:
-    """The metadata ``save_prompt_cache`` wrote (its first part, ``0.name`` in the file), after
-    checking that the file holds all the data its header names."""
+    """The metadata ``save_prompt_cache`` wrote (ours is its first part, ``0.name`` in the file;
+    the layers' classes the second), after checking that the file holds all the data its
+    header names and only cache classes a target or drafter uses."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         if n > 1 << 30:
@@ -334,6 +338,9 @@ def _read_header(path: Path) -> dict[str, str]:
     if path.stat().st_size < 8 + n + end:
         raise ValueError("the file is truncated")
     meta = header.get("__metadata__", {})
+    classes = {v for k, v in meta.items() if k.startswith("1.")}
+    if not classes <= LAYER_CLASSES:
+        raise ValueError(f"unexpected cache classes {sorted(classes - LAYER_CLASSES)}")
     return {k[2:]: v for k, v in meta.items() if k.startswith("0.")}
 
 
@@ -401,6 +408,7 @@ class DiskCache:
         """The pair saved under ``key``, checked; None (with a warning) if it does not check."""
         entry = self._index[key]
         try:
+            self._check_meta(_read_header(entry.path))  # before anything is built from it
             layers, meta = load_prompt_cache(str(entry.path), return_metadata=True)
             self._check_meta(meta)
             n_target = int(meta["num_target_layers"])

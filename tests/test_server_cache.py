@@ -350,3 +350,23 @@ def test_serve_several_models_with_a_disk_cache(tmp_path):
             assert r.usage.prompt_tokens_details.cached_tokens >= 202, name
     finally:
         _stop(proc)
+
+
+def test_sizes_and_model_options():
+    from typer.testing import CliRunner
+
+    from mlx_dflash.cli import app
+    from mlx_dflash.cli.common import parse_size
+
+    assert parse_size("2GB") == 2 * 10**9 and parse_size("512MiB") == 512 * 2**20
+    assert parse_size("0") == 0 and parse_size("1.5k") == 1500
+    with pytest.raises(ValueError):
+        parse_size("lots")
+    runner = CliRunner()
+    for args, words in ((["--model", "a", "--model", "b", "--drafter", "d"], "one --drafter"),
+                        (["--model", "a", "--model-name", "x", "--model-name", "y"],
+                         "one --model-name"),
+                        (["--cache-memory", "lots"], "--cache-memory"),
+                        (["--models-config", "m.json", "--model", "a"], "replaces")):
+        result = runner.invoke(app, ["serve", *args])
+        assert result.exit_code == 2 and words in result.output, result.output
