@@ -230,21 +230,22 @@ class PrefixCache:
             n = usable_prefix(e.ids, e.trimmable, prompt)
             if n > best:
                 key, best = k, n
+        entry = self._entries.get(key)
         if self.disk is not None:
             disk_key, n = self.disk.best(prompt)
             if n > best and (pair := self.disk.load(disk_key)) is not None:
                 key, best = disk_key, n
-                self._add(disk_key, _Entry(pair, _ids(pair.tokens),
-                                           pair.nbytes, pair.trimmable()))
-        if key is None or key not in self._entries:
+                entry = _Entry(pair, _ids(pair.tokens), pair.nbytes, pair.trimmable())
+                self._add(key, entry)  # kept in memory too, if it fits
+        if entry is None:
             return PairCache(), 0
-        entry = self._entries[key]
-        self._entries.move_to_end(key)
         if take is None:
             take = entry.trimmable and best == len(entry.ids)
-        if not take:
-            return entry.pair.fork(best), best
-        self._pop(key)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            if not take:
+                return entry.pair.fork(best), best
+            self._pop(key)
         pair = entry.pair
         if best < len(entry.ids):
             pair.trim_to(best)

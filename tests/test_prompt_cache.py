@@ -240,6 +240,9 @@ def test_disk_budget_evicts_oldest(tmp_path):
         run(stream_generate_cached(store, *pair, tok, [60 + i] + PREFIX[:199], max_tokens=4))
         assert store.disk.nbytes <= store.disk.max_bytes
     assert len(store.disk) == 2 and len(store) == 0
+    prompt = [63] + PREFIX[:199] + [7, 8]  # the newest file: used although memory holds none
+    out, stats = cached(store, pair, prompt, 0, max_tokens=4)
+    assert stats.cached_tokens == 200 and out == fresh(pair, prompt, 0, max_tokens=4)
 
 
 @pytest.mark.parametrize("family", ["dspark", "dflash2"])
