@@ -13,11 +13,13 @@ usable prefix of its prompt:
   that has not wrapped yet) are cut to the common prefix, as mlx-lm's server does;
 * a cache that cannot (a Gated DeltaNet state, a wrapped sliding window) is reused only when the
   entry's tokens are a prefix of the prompt: the state is exact only where it was saved. For such
-  targets :func:`stream_generate_cached` also saves a checkpoint at the end of each prompt (less
+  targets :func:`stream_generate_cached` also saves checkpoints: at the end of each prompt (less
   its last token), so the next turn of a conversation finds an exact prefix even when the reply
-  itself does not come back token for token.
+  does not come back token for token, and at positions the caller names (the server: where the
+  messages before the last one end, e.g. a shared system prompt).
 
-Reuse is lossless: a cache holds exactly what a fresh prefill of its tokens would hold.
+Reuse is lossless: a cache holds exactly what a fresh prefill of its tokens would hold (up to
+the rounding of a different prefill chunking).
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ class PairCache:
 
     def trim_to(self, n: int) -> bool:
         """Cut both caches back to their first ``n`` positions if that is exact (else False)."""
-        if not self.trimmable():
+        if not self.trimmable() or any(c.offset < n for c in self.layers):
             return False
         for c in self.layers:
             c.trim(c.offset - n)
