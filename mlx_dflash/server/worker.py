@@ -194,16 +194,20 @@ class ModelWorker:
                     reason = response.finish_reason
                     if tail := stops.flush():
                         job.push(Delta(tail))
+                    break
+            # The client has its answer before the caches are stored (gen.close() below).
+            job.outcome = "done"
+            job.push(_done(reason, stats, len(job.prompt), stops.matched))
         except Exception as e:  # noqa: BLE001 (one bad job must not take the worker down)
             log.exception("generation failed")
             job.outcome = "failed"
             job.push(Failed(f"{type(e).__name__}: {e}"))
-            return
         finally:
             if gen is not None:
-                gen.close()  # exit the decode loop's MLX stream context on this thread
-        job.outcome = "done"
-        job.push(_done(reason, stats, len(job.prompt), stops.matched))
+                try:  # exit the decode loop's MLX stream context on this thread; store caches
+                    gen.close()
+                except Exception:  # noqa: BLE001 (a cache that cannot be stored costs a prefill)
+                    log.exception("storing the prompt cache failed")
 
 
 def _done(reason: str, stats: Any, prompt_tokens: int, stop_sequence: str | None) -> Done:
