@@ -370,3 +370,15 @@ def test_sizes_and_model_options():
                         (["--models-config", "m.json", "--model", "a"], "replaces")):
         result = runner.invoke(app, ["serve", *args])
         assert result.exit_code == 2 and words in result.output, result.output
+
+
+def test_tool_call_splitter_holds_back_split_markers():
+    from mlx_dflash.server.tools import ToolCallSplitter
+
+    s = ToolCallSplitter("<tool_call>", "</tool_call>")
+    assert s.feed("hi <to") == "hi " and s.feed("ol_call>{\"a\"") == "" and s.calls == []
+    assert s.feed(": 1}</tool_call> bye <") == " bye " and s.calls == ['{"a": 1}']
+    assert s.flush() == "<"
+    s = ToolCallSplitter("<tool_call>", "</tool_call>")
+    s.feed("<tool_call>{\"cut off")
+    assert s.flush() == "" and s.calls == ['{"cut off']  # counted, as mlx-lm does
