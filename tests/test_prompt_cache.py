@@ -55,7 +55,7 @@ def cached(store, pair, prompt, seed, **kw):
     return run(stream_generate_cached(store, *pair, make_tokenizer(V), prompt, **kw))
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen3", "llama", "gemma3_text", "gpt_oss", "qwen3_5"])
 def family(request):
     return request.param, tiny_pair(request.param)
 
