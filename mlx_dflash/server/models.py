@@ -145,9 +145,7 @@ class ModelPool:
         """The model, loaded (run on the worker thread: loading runs MLX)."""
         served = self.models[self.default if name is None else name]
         with self._lock:
-            if not served.loaded:
-                if served.load is None:
-                    raise RuntimeError(f"model '{served.name}' was unloaded and cannot be reloaded")
+            if not served.loaded:  # only models with a loader are ever unloaded
                 log.info("loading model '%s'", served.name)
                 model, drafter, _ = served.load()
                 _attach(served, model, drafter)
