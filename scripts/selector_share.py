@@ -15,6 +15,7 @@ from mlx_dflash.accept import SamplingParams
 from mlx_dflash.bench import measure_pass_costs
 from mlx_dflash.cli.common import load_pair
 from mlx_dflash.decode import as_target
+from mlx_dflash.default import resolve_drafter
 from mlx_dflash.schedule import best_time
 
 
@@ -24,7 +25,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--context", type=int, default=256)
     args = ap.parse_args()
-    model, drafter, _ = load_pair(None, args.drafter)
+    model, drafter, _ = load_pair(None, resolve_drafter(args.drafter))
     if drafter.family != "dflash2":
         raise SystemExit(f"{args.drafter} is a {drafter.family} drafter, not DFlash 2")
     target = as_target(model)
