@@ -14,11 +14,12 @@ the same function in MLX ops otherwise).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p
 
-from .kernels import top_k_mask, verify_greedy, verify_sample
+from .kernels import top_k_mask, verify_greedy, verify_sample, verify_sample_candidates
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,20 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+class CandidateProposal(NamedTuple):
+    """A proposal supported on a few candidates per position: ids [K, C] (distinct within a
+    row, target ids) with probabilities [K, C], zero elsewhere. DFlash 2's walk (C = 16) and a
+    copied block (C = 1, probability 1) propose this way; verifying it never builds [K, V]."""
+
+    ids: mx.array
+    probs: mx.array
+
+
+def point_mass(drafts: mx.array) -> CandidateProposal:
+    """The proposal of drafts that were not sampled (a copied block): each with probability 1."""
+    return CandidateProposal(drafts[:, None], mx.ones((drafts.shape[0], 1)))
 
 
 def sampling_logits(logits: mx.array, params: SamplingParams) -> mx.array:
@@ -93,15 +108,17 @@ def greedy_accept(drafts: mx.array, target_logits: mx.array) -> tuple[mx.array, 
 
 
 def rejection_accept(
-    drafts: mx.array, draft_probs: mx.array, target_logits: mx.array, params: SamplingParams
+    drafts: mx.array, draft_probs: mx.array | CandidateProposal, target_logits: mx.array,
+    params: SamplingParams,
 ) -> tuple[mx.array, mx.array]:
     """Speculative sampling (Leviathan et al.): output tokens follow the target distribution.
 
-    drafts [K] were sampled from draft_probs [K, V]. Accept draft i with probability
-    min(1, p_i(d_i) / q_i(d_i)); at the first rejection sample from normalize(max(p - q, 0));
-    after K acceptances sample the bonus from p_K (``kernels.verify_sample``, with uniforms
-    drawn here). Returns (accepted_len [], next_tokens [K+1]) where next_tokens[a] is the token
-    to emit after accepting ``a`` drafts (every entry holds it: only that one is computed).
+    drafts [K] were sampled from draft_probs [K, V] or a :class:`CandidateProposal`. Accept
+    draft i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection sample from
+    normalize(max(p - q, 0)); after K acceptances sample the bonus from p_K
+    (``kernels.verify_sample`` or ``verify_sample_candidates``, with uniforms drawn here).
+    Returns (accepted_len [], next_tokens [K+1]) where next_tokens[a] is the token to emit
+    after accepting ``a`` drafts (every entry holds it: only that one is computed).
     """
     K = drafts.shape[0]
     if 0 < params.top_p < 1.0:
@@ -110,6 +127,11 @@ def rejection_accept(
     else:
         logits, temperature, top_k = target_logits, params.temperature, params.top_k
     uniforms = mx.random.uniform(shape=(1, K + 1))
-    accepted, token = verify_sample(logits[None], drafts[None], draft_probs[None], uniforms,
-                                    temperature, top_k)
+    if isinstance(draft_probs, CandidateProposal):
+        accepted, token = verify_sample_candidates(
+            logits[None], drafts[None], draft_probs.ids[None], draft_probs.probs[None], uniforms,
+            temperature, top_k)
+    else:
+        accepted, token = verify_sample(logits[None], drafts[None], draft_probs[None], uniforms,
+                                        temperature, top_k)
     return accepted[0], mx.broadcast_to(token, (K + 1,))

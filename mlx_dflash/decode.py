@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .accept import SamplingParams, greedy_accept, rejection_accept, sample_first
+from .accept import SamplingParams, greedy_accept, point_mass, rejection_accept, sample_first
 from .drafters import check_fits
 from .lookup import CopyIndex
 from .prompt_cache import PairCache
@@ -272,10 +272,7 @@ def stream_generate(
             draft_probs = None
             if copied:  # a point-mass proposal: exact under rejection sampling too
                 drafts = mx.array(copied, dtype=mx.uint32)
-                if not params.greedy:
-                    draft_probs = mx.put_along_axis(
-                        mx.zeros((K, target.vocab_size)), drafts[:, None].astype(mx.int32),
-                        mx.array(1.0), axis=-1)
+                draft_probs = None if params.greedy else point_mass(drafts)
             elif K > 0:
                 if backlog:  # read only when drafting: plain cycles cost the drafter nothing
                     drafter.commit(mx.concatenate(backlog, axis=1), draft_cache)

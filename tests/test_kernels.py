@@ -56,7 +56,7 @@ def test_decode_steps_use_the_kernels_where_metal_is(monkeypatch):
         return fn
 
     monkeypatch.setattr(kernels, "backend", lambda: "metal")
-    for name in ("verify_greedy", "verify_sample", "path_select"):
+    for name in ("verify_greedy", "verify_sample", "verify_sample_candidates", "path_select"):
         monkeypatch.setattr(kernels, f"{name}_metal",
                             stand_in(name, getattr(kernels, f"{name}_mlx")))
     logits = mx.random.normal((4, 50))
@@ -64,9 +64,11 @@ def test_decode_steps_use_the_kernels_where_metal_is(monkeypatch):
     accept.greedy_accept(drafts, logits)
     q = mx.softmax(mx.random.normal((3, 50)), axis=-1)
     accept.rejection_accept(drafts, q, logits, SamplingParams(0.8))
+    accept.rejection_accept(drafts, accept.point_mass(drafts), logits, SamplingParams(0.8))
     walk_path(mx.random.normal((16,)), mx.random.normal((2, 16, 16)))
     walk_path(mx.random.normal((16,)), mx.random.normal((2, 16, 16)), temperature=0.7)
-    assert calls == ["verify_greedy", "verify_sample", "path_select", "path_select"]
+    assert calls == ["verify_greedy", "verify_sample", "verify_sample_candidates", "path_select",
+                     "path_select"]
 
 
 def test_greedy_accept_gives_the_token_at_the_accepted_length():

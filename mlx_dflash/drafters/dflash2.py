@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..accept import SamplingParams
+from ..accept import CandidateProposal, SamplingParams
 from ..kernels import path_select
 from .dflash import DFlashDraftModel
 from .layers import DraftArgs, DraftLayer
@@ -161,8 +161,8 @@ class DFlash2DraftModel(DFlashDraftModel):
         num_drafts: int,
         params: SamplingParams,
     ) -> tuple[mx.array, mx.array | None]:
-        """K drafts by the selector walk; when sampling, the proposal [K, V] (supported on each
-        position's K candidates: rejection sampling stays exact)."""
+        """K drafts by the selector walk; when sampling, the proposal on each position's K
+        candidates (verified by the candidates kernel: rejection sampling stays exact)."""
         K = num_drafts
         hidden = self.block_hidden(target, anchor, cache, block_size)[1 : 1 + K]
         sel = self.candidate_selector
@@ -173,11 +173,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         vocab = self.vocab_ids
         cand_ids = vocab[cand] if vocab is not None else cand
         drafts = (vocab[idx] if vocab is not None else idx).astype(mx.uint32)
-        if q is None:
-            return drafts, None
-        probs = mx.put_along_axis(mx.zeros((K, target.vocab_size), dtype=q.dtype),
-                                  cand_ids.astype(mx.int32), q, axis=-1)
-        return drafts, probs
+        return drafts, None if q is None else CandidateProposal(cand_ids.astype(mx.uint32), q)
 
     def train_logits(self, target: Any, features, blocks, anchors, prev):
         """(draft logits [N, n, V'], (selector scores [N, n, K], candidates [N, n, K])) of
