@@ -1,5 +1,6 @@
-"""Refit a DSpark drafter's confidence temperatures (sequential temperature scaling) on
-sequences it never trained on, and write them into its config.json.
+"""Refit a DSpark drafter's confidence temperatures and offsets (sequential temperature
+scaling, plus a per-position offset) on sequences it never trained on, and write them into its
+config.json.
 
     python scripts/calibrate_dspark.py DRAFTER_DIR --store STORE --ids held_out.json \
         [--anchors 128] [--json OUT]
@@ -47,14 +48,18 @@ def main() -> None:
     result["sequences"] = len(idx)
     print("ECE by position before / after: " + ", ".join(
         f"{b:.3f}/{a:.3f}" for b, a in zip(result["ece_before"], result["ece_after"])))
-    if "ece_previous_temperatures" in result:
-        print("ECE with the drafter's previous temperatures: " + ", ".join(
-            f"{e:.3f}" for e in result["ece_previous_temperatures"]))
-    print(f"temperatures {[round(t, 3) for t in result['temperatures']]} "
+    print("ECE with temperatures alone: " + ", ".join(
+        f"{e:.3f}" for e in result["ece_temperatures_only"]))
+    if "ece_previous_calibration" in result:
+        print("ECE with the drafter's previous calibration: " + ", ".join(
+            f"{e:.3f}" for e in result["ece_previous_calibration"]))
+    print(f"temperatures {[round(t, 3) for t in result['temperatures']]}, offsets "
+          f"{[round(b, 2) for b in result['offsets']]} "
           f"({result['fit_blocks']} fit / {result['test_blocks']} test blocks)")
     config_file = drafter.source_path / "config.json"
     config = json.loads(config_file.read_text())
     config["confidence_temperatures"] = result["temperatures"]
+    config["confidence_offsets"] = result["offsets"]
     tmp = config_file.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(config, indent=2) + "\n")
     tmp.replace(config_file)

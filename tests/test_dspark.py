@@ -110,3 +110,17 @@ def test_deepspec_checkpoint_loads_and_round_trips(tmp_path):
     assert config["target_layer_ids"] == [0, 2] and "dflash_config" not in config
     again = load_drafter(tmp_path / "ours", model=model)
     assert isinstance(again, DSparkDraftModel)
+
+
+def test_calibration_temperatures_and_offsets_apply_and_round_trip(tmp_path):
+    model = make_target("qwen3")
+    drafter = make_dspark(model)
+    drafter.args.confidence_temperatures = [2.0, 0.5]
+    drafter.args.confidence_offsets = [0.5, -1.0]
+    logits = mx.array([1.0, 1.0, 3.0])  # the third position reuses the last fitted values
+    expected = mx.sigmoid(mx.array([1.0 / 2.0 + 0.5, 1.0 / 0.5 - 1.0, 3.0 / 0.5 - 1.0]))
+    assert mx.allclose(drafter.calibrated(logits), expected)
+    save_drafter(drafter, tmp_path / "d")
+    again = load_drafter(tmp_path / "d", model=model)
+    assert again.args.confidence_offsets == [0.5, -1.0]
+    assert mx.allclose(again.calibrated(logits), expected)

@@ -211,9 +211,14 @@ def test_sequential_temperature_scaling_calibrates_the_running_product():
     true_logit = rng.normal(1.0, 2.0, size=(4000, 4))
     survive = rng.random((4000, 4)) < 1 / (1 + np.exp(-true_logit))
     accepted = np.cumprod(survive, axis=1).astype(float)
-    temps, before, after = sequential_temperatures(true_logit * 3.0, accepted)  # overconfident
-    assert all(a <= b + 1e-9 for a, b in zip(after, before))
-    assert after[0] < 0.5 * before[0] and 2.0 < temps[0] < 4.5
+    temps, offsets, before, after = sequential_temperatures(true_logit * 3.0, accepted)
+    assert all(a <= b + 1e-9 for a, b in zip(after, before))  # overconfident, fixed
+    assert after[0] < 0.5 * before[0] and 2.0 < temps[0] < 4.5 and abs(offsets[0]) <= 0.3
+    # A head off by a constant: a temperature alone cannot fix it, an offset can.
+    temps, offsets, before, after = sequential_temperatures(true_logit - 1.0, accepted,
+                                                            offsets=False)
+    _, offsets, _, shifted = sequential_temperatures(true_logit - 1.0, accepted)
+    assert shifted[0] < 0.5 * after[0] and 0.6 <= offsets[0] <= 1.4
 
 
 def test_time_budget_sets_the_schedule_and_ends_the_run(tmp_path):

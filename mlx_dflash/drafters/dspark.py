@@ -171,10 +171,16 @@ class DSparkDraftModel(DFlashDraftModel):
         return out, q
 
     def calibrated(self, conf_logits: mx.array) -> mx.array:
-        """sigmoid(logit_k / T_k) with the sequentially fitted temperatures (1 if none)."""
-        temps = self.args.confidence_temperatures
+        """sigmoid(logit_k / T_k + b_k) with the sequentially fitted temperatures and offsets
+        (1 and 0 if none; positions past the fitted ones reuse the last)."""
+        n = conf_logits.shape[-1]
+
+        def per_position(values):
+            return mx.array(values[:n] + [values[-1]] * max(0, n - len(values)))
+
+        temps, offsets = self.args.confidence_temperatures, self.args.confidence_offsets
         if temps:
-            t = mx.array(temps[: conf_logits.shape[-1]] + [temps[-1]] *
-                         max(0, conf_logits.shape[-1] - len(temps)))
-            conf_logits = conf_logits / t
+            conf_logits = conf_logits / per_position(temps)
+        if offsets:
+            conf_logits = conf_logits + per_position(offsets)
         return mx.sigmoid(conf_logits)

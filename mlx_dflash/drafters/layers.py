@@ -52,6 +52,7 @@ class DraftArgs:
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = True
     confidence_temperatures: list[float] | None = None
+    confidence_offsets: list[float] | None = None  # ours: c_k = sigmoid(logit_k / T_k + b_k)
     # DFlash 2 (zero: none): the sublayer convolutions and the path selector.
     conv_kernel_size: int = 0
     conv_group_size: int = 0
@@ -121,6 +122,7 @@ class DraftArgs:
             enable_confidence_head=bool(pick("enable_confidence_head", False)),
             confidence_head_with_markov=bool(pick("confidence_head_with_markov", True)),
             confidence_temperatures=pick("confidence_temperatures"),
+            confidence_offsets=pick("confidence_offsets"),
             conv_kernel_size=int(pick("conv_kernel_size", 0) or 0),
             conv_group_size=int(pick("conv_group_size", 0) or 0),
             selector_rank=int(pick("selector_rank", 0) or 0),

@@ -400,10 +400,10 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
 
 
 def calibrate(drafter, target: Target, batch_of: Batches, idx, anchors: int = 32) -> dict:
-    """Fit the confidence head's per-position temperatures on one half of the held-out
-    sequences (``anchors`` blocks from each); report the running product's ECE before and
-    after on the other half."""
-    from .calibrate import expected_calibration_error, sequential_temperatures
+    """Fit the confidence head's per-position temperatures and offsets on one half of the
+    held-out sequences (``anchors`` blocks from each); report the running product's ECE before
+    and after on the other half."""
+    from .calibrate import expected_calibration_error, running_survival, sequential_temperatures
 
     def collect(part):
         gen, logits, accepted = np.random.default_rng(7), [], []
@@ -421,20 +421,23 @@ def calibrate(drafter, target: Target, batch_of: Batches, idx, anchors: int = 32
 
     fit_logits, fit_acc = collect(idx[::2])
     test_logits, test_acc = collect(idx[1::2])
-    previous = drafter.args.confidence_temperatures
-    temps, _, _ = sequential_temperatures(fit_logits, fit_acc)
+    previous = drafter.args.confidence_temperatures, drafter.args.confidence_offsets
+    temps_only, _, _, _ = sequential_temperatures(fit_logits, fit_acc, offsets=False)
+    temps, offsets, _, _ = sequential_temperatures(fit_logits, fit_acc)
     drafter.args.confidence_temperatures = temps
+    drafter.args.confidence_offsets = offsets
 
-    def ece(t):
-        running = np.cumprod(1 / (1 + np.exp(-test_logits / np.array(t))), axis=1)
+    def ece(t, b=None):
+        running = running_survival(test_logits, t, b)
         return [expected_calibration_error(running[:, k], test_acc[:, k])
                 for k in range(running.shape[1])]
 
-    result = {"temperatures": temps, "ece_before": ece([1.0] * len(temps)),
-              "ece_after": ece(temps), "fit_blocks": len(fit_logits),
+    result = {"temperatures": temps, "offsets": offsets,
+              "ece_before": ece([1.0] * len(temps)), "ece_after": ece(temps, offsets),
+              "ece_temperatures_only": ece(temps_only), "fit_blocks": len(fit_logits),
               "test_blocks": len(test_logits)}
-    if previous and len(previous) == len(temps):  # a refit: how the old temperatures do
-        result["ece_previous_temperatures"] = ece(previous)
+    if previous[0] and len(previous[0]) == len(temps):  # a refit: how the old values do
+        result["ece_previous_calibration"] = ece(*previous)
     return result
 
 
