@@ -5,15 +5,17 @@ Usage: python scripts/export_drafter.py RUN/checkpoint mlx_dflash/assets/drafter
 
 --bits quantizes the linear and embedding layers whose input width splits into groups of 64
 (affine, the rest stays bfloat16): a DSpark drafter's Markov head doubles its size otherwise.
-Loading dequantizes it again where there is no Metal GPU.
+Loading dequantizes it again where there is no Metal GPU. A DFlash 2 drafter's codebooks (raw
+tensors in the published layout) are stored quantized the same way (``X`` packed, ``X_scales``,
+``X_biases``) and always dequantized on loading.
 """
 
 import argparse
 
 from mlx_dflash import load_drafter, save_drafter  # first: it loads the fast BLAS
+from mlx_dflash.drafters import quantize_drafter
 
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
 
 
 def main() -> None:
@@ -27,10 +29,7 @@ def main() -> None:
     drafter.args.verify_block_size = args.verify_block_size
     extra = None
     if args.bits:
-        nn.quantize(drafter, group_size=64, bits=args.bits,
-                    class_predicate=lambda p, m: isinstance(m, (nn.Linear, nn.Embedding))
-                    and m.weight.shape[-1] % 64 == 0)
-        extra = {"quantization": {"group_size": 64, "bits": args.bits, "mode": "affine"}}
+        extra = quantize_drafter(drafter, args.bits)
     save_drafter(drafter, args.out, extra_config=extra)
     print(f"wrote {args.out}")
 

@@ -183,3 +183,26 @@ def test_published_checkpoint_loads_and_round_trips(tmp_path):
     (tmp_path / "pub" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="selector_rank"):
         load_drafter(tmp_path / "pub")
+
+
+def test_quantized_export_keeps_the_codebooks_and_stays_lossless(tmp_path):
+    from mlx_dflash.drafters import quantize_drafter
+
+    model = make_target("qwen3", seed=4)
+    drafter = make_dflash2(model, selector_rank=64)
+    before = {n: drafter.candidate_selector[n] for n in ("predecessor_codebook",
+                                                          "successor_codebook")}
+    config = quantize_drafter(drafter, bits=8)
+    weights = dict(tree_flatten(drafter.parameters()))
+    assert weights["candidate_selector.successor_codebook"].dtype == mx.uint32
+    save_drafter(drafter, tmp_path / "q8", extra_config=config)
+    loaded = load_drafter(tmp_path / "q8", model=model, dequantize=True)
+    for name, want in before.items():
+        got = loaded.candidate_selector[name]
+        assert got.shape == want.shape and got.dtype == mx.float32
+        assert mx.abs(got - want).max().item() <= 0.01 * mx.abs(want).max().item()
+    tok = make_tokenizer(128)
+    want, _ = reference(model, [9, 10, 11], 20)
+    got = [t for r in stream_generate(model, loaded, tok, [9, 10, 11], max_tokens=20,
+                                      copy_drafts=False) for t in r.tokens]
+    assert got == want

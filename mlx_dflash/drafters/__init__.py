@@ -92,6 +92,7 @@ def load_drafter(
     }
     quant = config.get("quantization")
     if quant:
+        _dequantize_raw(weights, quant)
         nn.quantize(
             drafter,
             group_size=quant["group_size"],
@@ -214,7 +215,36 @@ def drafter_config(drafter: DFlashDraftModel) -> dict:
             config["confidence_head_with_markov"] = a.confidence_head_with_markov
         if a.confidence_temperatures:
             config["confidence_temperatures"] = a.confidence_temperatures
+        if a.confidence_offsets and any(a.confidence_offsets):
+            config["confidence_offsets"] = a.confidence_offsets
     return config
+
+
+def _dequantize_raw(weights: dict[str, mx.array], quant: dict) -> None:
+    """Raw tensors stored quantized (``X`` packed, ``X_scales``, ``X_biases``: DFlash 2's
+    codebooks, see scripts/export_drafter.py) back to float, in place. Their rows are gathered,
+    never multiplied as a matrix, so nothing is lost by holding them dequantized."""
+    for key in [k for k in weights if k.endswith("_scales")]:
+        name = key[: -len("_scales")]
+        if name in weights and name + "_biases" in weights:
+            weights[name] = mx.dequantize(weights[name], weights.pop(key),
+                                          weights.pop(name + "_biases"),
+                                          group_size=quant["group_size"], bits=quant["bits"])
+
+
+def quantize_drafter(drafter: DFlashDraftModel, bits: int, group_size: int = 64) -> dict:
+    """Quantize (affine) the linear and embedding layers whose input width splits into groups,
+    and a DFlash 2 drafter's codebooks (raw tensors: stored as ``X`` packed, ``X_scales``,
+    ``X_biases``); returns the config entry that :func:`save_drafter` needs to record it."""
+    nn.quantize(drafter, group_size=group_size, bits=bits,
+                class_predicate=lambda p, m: isinstance(m, (nn.Linear, nn.Embedding))
+                and m.weight.shape[-1] % group_size == 0)
+    selector = getattr(drafter, "candidate_selector", None)
+    for name in ("predecessor_codebook", "successor_codebook") if selector else ():
+        packed, scales, biases = mx.quantize(selector[name], group_size=group_size, bits=bits)
+        selector[name], selector[f"{name}_scales"], selector[f"{name}_biases"] = (
+            packed, scales, biases)
+    return {"quantization": {"group_size": group_size, "bits": bits, "mode": "affine"}}
 
 
 def save_drafter(drafter: DFlashDraftModel, path: str | Path, extra_config: dict | None = None):
@@ -231,4 +261,5 @@ def save_drafter(drafter: DFlashDraftModel, path: str | Path, extra_config: dict
 
 
 __all__ = ["DFlashDraftModel", "DFlash2DraftModel", "DSparkDraftModel", "DraftArgs",
-           "DrafterMismatchError", "check_fits", "load_drafter", "save_drafter", "drafter_config"]
+           "DrafterMismatchError", "check_fits", "load_drafter", "quantize_drafter",
+           "save_drafter", "drafter_config"]
