@@ -378,6 +378,7 @@ def test_sampled_distribution(model_type, block_size):
     check_sampled(sampling_target(model_type), block_size, 400)
 
 
+@pytest.mark.parametrize("block_size", [2, 4, 16])
 @pytest.mark.parametrize("model_type", ["qwen3_5", "gpt_oss"])
-def test_sampled_distribution_4bit(model_type):
-    check_sampled(sampling_target(model_type, bits=4), 4, 400)
+def test_sampled_distribution_4bit(model_type, block_size):
+    check_sampled(sampling_target(model_type, bits=4), block_size, 400)
