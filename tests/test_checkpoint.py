@@ -154,3 +154,15 @@ def test_verify_block_size_default_round_trips(tmp_path):
     *_, last = stream_generate(model, loaded, make_tokenizer(128), [4, 5], max_tokens=6,
                                schedule=False, copy_drafts=False)
     assert last.stats.block_size == 3 and max(last.stats.draft_lengths) == 2
+
+
+def test_shipped_drafters_load_by_name():
+    from mlx_dflash.default import shipped_drafters
+
+    names = shipped_drafters()
+    assert {"smollm2-135m-dspark-b7", "smollm2-135m-dflash-b16",
+            "smollm2-135m-dflash2-b16"} <= set(names)
+    for name in names:  # each loads (and dequantizes) from its name alone
+        assert load_drafter(name).args.hidden_size == 576
+    with pytest.raises(FileNotFoundError, match="shipped drafters: smollm2"):
+        load_drafter("smollm2-135m-nope")

@@ -40,12 +40,14 @@ def load_pair(model: str | None, drafter: str | None, block_size: int | None = N
     from ..drafters import DrafterMismatchError, load_drafter
 
     try:
-        if model is None:
+        if model is None and drafter is None:
             from ..default import load_default
 
-            target, default_drafter, tokenizer = load_default(progress=True)
-            draft = default_drafter if drafter is None else load_drafter(drafter, model=target)
-            return target, draft, tokenizer
+            return load_default(progress=True)
+        if model is None:  # the default target with another drafter
+            from ..default_target import ensure_default_target
+
+            model = str(ensure_default_target())
         print(f"Loading target {model} ...", file=sys.stderr)
         target, tokenizer = load(model)
         draft = None

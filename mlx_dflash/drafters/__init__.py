@@ -28,15 +28,21 @@ class DrafterMismatchError(ValueError):
 
 
 def resolve_path(path_or_hf_repo: str | Path) -> Path:
-    """A local directory, or a Hugging Face Hub repo id fetched with huggingface-hub."""
+    """A local directory, the name of a drafter shipped in the package, or a Hugging Face Hub
+    repo id fetched with huggingface-hub."""
+    from ..default import drafter_dir, shipped_drafters
+
     path = Path(path_or_hf_repo).expanduser()
     if path.exists():
         if not path.is_dir():
             raise NotADirectoryError(f"drafter path is not a directory: {path}")
         return path
     text = str(path_or_hf_repo)
+    if text in shipped_drafters():
+        return drafter_dir(text)
     if text.startswith((".", "/", "~")) or text.count("/") != 1:
-        raise FileNotFoundError(f"drafter directory not found: {text}")
+        raise FileNotFoundError(f"drafter directory not found: {text} (shipped drafters: "
+                                f"{', '.join(shipped_drafters())})")
     from huggingface_hub import snapshot_download
 
     try:
