@@ -185,17 +185,23 @@ def test_published_checkpoint_loads_and_round_trips(tmp_path):
         load_drafter(tmp_path / "pub")
 
 
-def test_quantized_export_keeps_the_codebooks_and_stays_lossless(tmp_path):
+@pytest.mark.parametrize("how", ["export", "convert"])
+def test_quantized_codebooks_load_and_stay_lossless(tmp_path, how):
+    from mlx_dflash.convert.drafter import convert_drafter
     from mlx_dflash.drafters import quantize_drafter
 
     model = make_target("qwen3", seed=4)
     drafter = make_dflash2(model, selector_rank=64)
     before = {n: drafter.candidate_selector[n] for n in ("predecessor_codebook",
                                                           "successor_codebook")}
-    config = quantize_drafter(drafter, bits=8)
-    weights = dict(tree_flatten(drafter.parameters()))
-    assert weights["candidate_selector.successor_codebook"].dtype == mx.uint32
-    save_drafter(drafter, tmp_path / "q8", extra_config=config)
+    if how == "export":  # scripts/export_drafter.py
+        config = quantize_drafter(drafter, bits=8)
+        save_drafter(drafter, tmp_path / "q8", extra_config=config)
+    else:  # mlx-dflash convert drafter SRC OUT --bits 8, from the published layout
+        convert_drafter(published_dir(tmp_path / "pub", drafter), tmp_path / "q8", bits=8,
+                        group_size=32)
+    stored = mx.load(str(tmp_path / "q8" / "model.safetensors"))
+    assert stored["candidate_selector.successor_codebook"].dtype == mx.uint32
     loaded = load_drafter(tmp_path / "q8", model=model, dequantize=True)
     for name, want in before.items():
         got = loaded.candidate_selector[name]

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..drafters import load_drafter, resolve_path
+from ..drafters import load_drafter, quantize_drafter, resolve_path
 from .atomic import atomic_output_dir
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -81,7 +81,8 @@ def convert_drafter(
 
         def quantizable(path: str, module: nn.Module) -> bool:
             # mx.quantize groups along the input dimension, which must split into whole groups.
-            return isinstance(module, nn.Linear) and module.weight.shape[-1] % group_size == 0
+            return isinstance(module, (nn.Linear, nn.Embedding)) and \
+                module.weight.shape[-1] % group_size == 0
 
         quantized = sum(1 for p, m in drafter.named_modules() if quantizable(p, m))
         if quantized == 0:
@@ -89,9 +90,8 @@ def convert_drafter(
                 f"no linear layer of {src_dir} has an input size divisible by group size "
                 f"{group_size}; try a smaller --group-size"
             )
-        _say(progress, f"Quantizing {quantized} linear layers to {bits} bits (group {group_size})")
-        nn.quantize(drafter, group_size=group_size, bits=bits, mode="affine",
-                    class_predicate=quantizable)
+        _say(progress, f"Quantizing {quantized} layers to {bits} bits (group {group_size})")
+        quantize_drafter(drafter, bits, group_size)  # DFlash 2's codebooks too
 
     weights = dict(tree_flatten(drafter.parameters()))
     mx.eval(weights)

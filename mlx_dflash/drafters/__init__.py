@@ -247,6 +247,8 @@ def quantize_drafter(drafter: DFlashDraftModel, bits: int, group_size: int = 64)
                 and m.weight.shape[-1] % group_size == 0)
     selector = getattr(drafter, "candidate_selector", None)
     for name in ("predecessor_codebook", "successor_codebook") if selector else ():
+        if selector[name].shape[-1] % group_size:
+            continue
         packed, scales, biases = mx.quantize(selector[name], group_size=group_size, bits=bits)
         selector[name], selector[f"{name}_scales"], selector[f"{name}_biases"] = (
             packed, scales, biases)
