@@ -137,7 +137,8 @@ def run_bench(
     for domain, prompts in prompt_sets.items():
         plain_tokens, plain_time = 0, 0.0
         spec = {name: {"tokens": 0, "time": 0.0, "acc": [], "pos_hits": [0] * (B - 1),
-                       "pos_tries": [0] * (B - 1), "mismatches": 0, "copy_cycles": 0}
+                       "pos_tries": [0] * (B - 1), "mismatches": 0, "copy_cycles": 0,
+                       "ngram_cycles": 0}
                 for name, (B, _) in variants.items()}
         for text in prompts:
             prompt = chat(text)
@@ -150,6 +151,7 @@ def run_bench(
                                                    max_tokens, options)
                 s = spec[name]
                 s["copy_cycles"] += stats.copy_cycles
+                s["ngram_cycles"] += stats.ngram_cycles
                 s["tokens"] += len(out)
                 s["time"] += elapsed
                 s["acc"] += stats.acceptance_lengths
@@ -177,7 +179,8 @@ def run_bench(
                                            for h, t in zip(s["pos_hits"], s["pos_tries"])],
                 "verify_decode_ratio": cost[B]["ratio"] if name != "auto" else None,
                 "outputs_differing_from_plain": s["mismatches"],
-                "copy_cycle_share": s["copy_cycles"] / max(len(s["acc"]), 1),
+                "copy_cycle_share": s["copy_cycles"] / max(len(s["acc"]), 1),  # n-gram too
+                "ngram_cycle_share": s["ngram_cycles"] / max(len(s["acc"]), 1),
             }
         results["domains"][domain] = entry
     bar.close()

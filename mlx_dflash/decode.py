@@ -40,7 +40,8 @@ class GenerationStats:
     peak_memory: float = 0.0  # GB
     acceptance_lengths: list[int] = field(default_factory=list)  # per cycle: accepted + 1
     draft_lengths: list[int] = field(default_factory=list)  # per cycle: drafts verified
-    copy_cycles: int = 0  # cycles that verified a copied block instead of the drafter's
+    copy_cycles: int = 0  # cycles that verified a looked-up block instead of the drafter's
+    ngram_cycles: int = 0  # of those, blocks from the drafter's n-gram table (ngram.py)
     cached_tokens: int = 0  # prompt tokens a prompt_cache already held (not prefilled)
 
     @property
@@ -265,6 +266,18 @@ def stream_generate(
         tic = time.perf_counter()
 
         copy_index = CopyIndex(tokens, copy_ngram) if copy_drafts and drafter else None
+        ngram = getattr(drafter, "ngram", None) if copy_index is not None else None
+
+        def lookup(K: int, context: int) -> tuple[list[int], bool]:
+            """(a block copied from the context, else one from the n-gram table when the
+            scheduler expects it to beat the drafter (without one: whenever there is one),
+            whether it came from the table)."""
+            copied = copy_index.lookup(K)
+            if copied or ngram is None:
+                return copied, False
+            found, probs = ngram.draft(copy_index.tokens, K)
+            n = scheduler.lookup_length(probs, K, context) if scheduler else len(found)
+            return found[:n], True
         backlog: list[mx.array] = []  # committed target features the drafter has not read
 
         def draft_and_verify(anchor: mx.array, K: int, copied: list[int]):
@@ -301,12 +314,15 @@ def stream_generate(
             """Choose what to verify after ``anchor`` (a copied block, K drafts, or nothing)
             with ``generated`` tokens committed, and build the cycle."""
             K = min(B - 1, max_tokens - generated - 1)  # never draft past max_tokens
-            copied = copy_index.lookup(K) if copy_index is not None and may_copy else []
+            context = len(tokens) + generated
+            copied, from_table = (lookup(K, context) if copy_index is not None and may_copy
+                                  else ([], False))
             if copied:
                 K = len(copied)
                 stats.copy_cycles += 1
+                stats.ngram_cycles += from_table
             elif scheduler is not None:
-                K = scheduler.choose(K, len(tokens) + generated)
+                K = scheduler.choose(K, context)
             return K, copied, draft_and_verify(anchor, K, copied)
 
         new_tokens = [first]
@@ -346,10 +362,11 @@ def stream_generate(
             mx.async_eval(packed, *([confidence] if confidence is not None else []))
             pending = None
             if K == 0 and stats.generation_tokens + 1 < max_tokens and not (
-                    copy_index is not None and copy_index.lookup(1)):
+                    copy_index is not None
+                    and lookup(1, len(tokens) + stats.generation_tokens)[0]):
                 # A plain cycle commits exactly one token, known lazily: start the next cycle
-                # from it now (as mlx-lm does). Copy lookups wait for a synced cycle; here
-                # one is skipped only when the stale suffix found nothing either.
+                # from it now (as mlx-lm does). Lookups wait for a synced cycle; here one is
+                # skipped only when the stale suffix found nothing either.
                 if drafter is not None:
                     backlog.append(features)  # its one position, read before the next draft
                 pending = start_cycle(next_tokens[:1], stats.generation_tokens + 1, False)

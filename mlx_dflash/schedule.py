@@ -181,10 +181,8 @@ class Scheduler:
         free = (self.headroom or memory_headroom)() - self.reserve_bytes
         return int(max(0, min(self.max_drafts, free // self.token_bytes - 1)))
 
-    def choose(self, room: int, context: int) -> int:
-        limit = min(self.max_drafts, room, self.memory_cap())
-        if limit <= 0:
-            return 0
+    def _best(self, limit: int, context: int) -> tuple[int, float]:
+        """(drafts, expected tokens per second) of the best drafter cycle, plain included."""
         a = self.survival()
         verify = self.costs.verify
         best_k, best = 0, 1.0 / verify(1, context)  # plain decoding's tokens per second
@@ -192,6 +190,28 @@ class Scheduler:
             rate = (1.0 + a[:k].sum()) / (self.costs.draft_s + verify(k + 1, context))
             if rate > best:
                 best_k, best = k, rate
+        return best_k, best
+
+    def lookup_length(self, probs: Sequence[float], room: int, context: int) -> int:
+        """How many tokens of a looked-up block to verify (0: none): the most expected tokens
+        per second, given P(step | steps before) of each, if that beats the drafter's best
+        cycle (a lookup needs no drafter pass)."""
+        limit = min(len(probs), self.max_drafts, room, self.memory_cap())
+        if limit <= 0:
+            return 0
+        a = np.cumprod(np.asarray(probs[:limit], dtype=np.float64))
+        best_n, best = 0, self._best(limit, context)[1]
+        for n in range(1, limit + 1):
+            rate = (1.0 + a[:n].sum()) / self.costs.verify(n + 1, context)
+            if rate > best:
+                best_n, best = n, rate
+        return best_n
+
+    def choose(self, room: int, context: int) -> int:
+        limit = min(self.max_drafts, room, self.memory_cap())
+        if limit <= 0:
+            return 0
+        best_k, _ = self._best(limit, context)
         self.probing = False
         if best_k == 0:
             self.plain_cycles += 1

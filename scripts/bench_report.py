@@ -18,8 +18,9 @@ def markdown(results: dict) -> str:
         f"{m['device']}, BLAS `{m.get('blas', '?')}`.",
         f"Settings: target {s.get('model')}, drafter `{s.get('drafter')}`, dtype {s['dtype']}, "
         f"greedy, max_tokens {s['max_tokens']}, block sizes {s['block_sizes']} (no copy drafts)"
-        " and `auto` (the default settings: block scheduler + copy drafts); per prompt the "
-        "plain run and each variant run back to back (interleaved).",
+        " and `auto` (the default settings: block scheduler + lookup drafts, copied from the "
+        "context or from the drafter's n-gram table if it has one); per prompt the plain run "
+        "and each variant run back to back (interleaved).",
         "",
         format_table(results),
     ]

@@ -24,7 +24,8 @@ from .atomic import atomic_output_dir
 DTYPES = ("float32", "bfloat16", "float16")
 BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize supports in affine mode
 GROUP_SIZES = (32, 64, 128)
-_EXTRA_FILES = ("README.md", "LICENSE", "LICENSE.md", "LICENSE.txt")  # carried along if present
+# Carried along if present (ngram.npz: the drafter's n-gram table, see ngram.py).
+_EXTRA_FILES = ("README.md", "LICENSE", "LICENSE.md", "LICENSE.txt", "ngram.npz")
 
 
 def convert_drafter(

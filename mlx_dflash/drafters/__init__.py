@@ -11,6 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..ngram import FILE_NAME as NGRAM_FILE
+from ..ngram import NgramTable
 from .dflash import DFlashDraftModel
 from .dflash2 import DFlash2DraftModel
 from .dspark import DSparkDraftModel
@@ -129,6 +131,10 @@ def load_drafter(
     mx.eval(drafter.parameters())
     drafter.eval()
     drafter.source_path = path
+    drafter.ngram = None  # lookup drafts from the target's own text, where the drafter has them
+    if (path / NGRAM_FILE).exists():
+        drafter.ngram = NgramTable.load(path / NGRAM_FILE)
+        drafter.ngram.check_vocab(drafter.args.vocab_size, str(path))
     if model is not None:
         check_fits(drafter, model)
     return drafter
@@ -265,6 +271,8 @@ def save_drafter(drafter: DFlashDraftModel, path: str | Path, extra_config: dict
         weights = dict(tree_flatten(drafter.parameters()))
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if getattr(drafter, "ngram", None) is not None:
+            drafter.ngram.save(tmp / NGRAM_FILE)
     return Path(path)
 
 
