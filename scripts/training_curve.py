@@ -1,6 +1,9 @@
 """Plot held-out acceptance against training time for one or more runs.
 
-    python scripts/training_curve.py RUN_DIR[=LABEL] ... --plot docs/training_curve.png
+    python scripts/training_curve.py RUN_DIR[=LABEL][@HOURS] ... --plot docs/training_curve.png
+
+``@HOURS`` shifts a run that continued from an earlier checkpoint by the training hours behind
+it, so that a lineage of runs reads as one curve.
 
 Reads each run's val_log.jsonl (written at every checkpoint): the teacher-forced expected
 acceptance length on held-out store sequences (greedy prefix of a 16-token block, +1) against
@@ -24,9 +27,10 @@ def main() -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for spec in args.runs:
+        spec, _, offset = spec.partition("@")
         path, _, label = spec.partition("=")
         rows = [json.loads(line) for line in open(Path(path) / "val_log.jsonl")]
-        hours = [r["train_seconds"] / 3600 for r in rows]
+        hours = [float(offset or 0) + r["train_seconds"] / 3600 for r in rows]
         ax1.plot(hours, [r["expected_tau"] for r in rows], marker="o", label=label or path)
         ax2.plot(hours, [r["accuracy"][0] for r in rows], marker="o", label=label or path)
         print(f"{label or path}: " + ", ".join(f"{h:.2f} h -> tau {r['expected_tau']:.3f}"
