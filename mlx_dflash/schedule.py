@@ -196,11 +196,13 @@ class Scheduler:
         """How many tokens of a looked-up block to verify (0: none): the most expected tokens
         per second, given P(step | steps before) of each, if that beats the drafter's best
         cycle (a lookup needs no drafter pass)."""
-        limit = min(len(probs), self.max_drafts, room, self.memory_cap())
+        drafter_limit = min(self.max_drafts, room, self.memory_cap())
+        limit = min(len(probs), drafter_limit)
         if limit <= 0:
             return 0
         a = np.cumprod(np.asarray(probs[:limit], dtype=np.float64))
-        best_n, best = 0, self._best(limit, context)[1]
+        # The drafter's cycle is not bounded by how far the lookup reaches.
+        best_n, best = 0, self._best(drafter_limit, context)[1]
         for n in range(1, limit + 1):
             rate = (1.0 + a[:n].sum()) / self.costs.verify(n + 1, context)
             if rate > best:

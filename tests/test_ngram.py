@@ -51,6 +51,8 @@ def test_scheduler_verifies_a_lookup_only_when_it_pays():
     assert s.lookup_length([0.95] * 5, 3, 100) == 3  # never past the room left
     s.accept_rate[:] = 0.95  # a drafter this good beats an uncertain lookup
     assert s.lookup_length([0.3, 0.3], 7, 100) == 0
+    s.accept_rate[:] = 0.8  # a short sure lookup loses to the drafter's full-length cycle
+    assert s.lookup_length([0.99], 7, 100) == 0
     s.headroom = lambda: 100  # no memory: nothing
     assert s.lookup_length([0.99] * 5, 7, 100) == 0
 
