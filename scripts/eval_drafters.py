@@ -37,8 +37,9 @@ from mlx_dflash.schedule import Scheduler, measure_costs
 D = "../shared/datasets/"
 FILES = [D + "eval_code_humaneval.jsonl", D + "eval_math_gsm8k.jsonl",
          D + "eval_chat_sharegpt.jsonl"]
-RULES = {"drafter": None, "drafter+copy n=2": 2, "drafter+copy n=3": 3,
-         "drafter+copy n=2+ngram": 2}
+# rule -> (copy-lookup n-gram length or None, whether to try the drafter's n-gram table)
+RULES = {"drafter": (None, False), "drafter+copy n=2": (2, False),
+         "drafter+copy n=3": (3, False), "drafter+copy n=2+ngram": (2, True)}
 
 
 def prefix_match(proposal, truth) -> int:
@@ -139,9 +140,9 @@ def main() -> None:
             for K in [b - 1 for b in args.blocks]:
                 if K > getattr(drafter, "max_drafts", K):
                     continue
-                for rule, ngram in RULES.items():
-                    table = getattr(drafter, "ngram", None) if "ngram" in rule else None
-                    if "ngram" in rule and table is None:
+                for rule, (ngram, use_table) in RULES.items():
+                    table = getattr(drafter, "ngram", None) if use_table else None
+                    if use_table and table is None:
                         continue
                     tokens = cycles = copies = 0
                     seconds = 0.0
