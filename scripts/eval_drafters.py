@@ -116,7 +116,15 @@ def main() -> None:
         path, _, label = spec.partition("=")
         drafters[label or path] = load_drafter(resolve_drafter(path), model=model)
     Bmax = max(args.blocks)
-    costs = {name: measure_costs(target, d, Bmax, reps=3) for name, d in drafters.items()}
+    # Pass costs once per architecture: drafters that differ only in weights (or n-gram table)
+    # must be scored with the same costs, or timing noise picks different lookup decisions.
+    measured, costs = {}, {}
+    for name, d in drafters.items():
+        arch = (type(d).__name__, d.block_size, d.args.hidden_size, d.args.num_hidden_layers,
+                d.args.intermediate_size, d.args.draft_vocab_size)
+        if arch not in measured:
+            measured[arch] = measure_costs(target, d, Bmax, reps=3)
+        costs[name] = measured[arch]
     some = next(iter(costs.values()))
 
     def verify(n: int) -> float:
