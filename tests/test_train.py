@@ -161,7 +161,7 @@ def test_interrupted_run_resumes_where_it_stopped(tmp_path, monkeypatch):
 
     def dies_in_step_7(*args, **kw):
         calls["n"] += 1
-        if calls["n"] > 6 * config.grad_accum:
+        if calls["n"] > 6:  # one loss call per step (the step's sequences are collated)
             raise KeyboardInterrupt
         return real_loss(*args, **kw)
 
@@ -310,3 +310,92 @@ def test_held_out_sequences_stay_held_out_as_the_store_grows():
     assert 20 < len(held_small) < 60
     assert {small.ids[i] for i in held_small} <= {big.ids[i] for i in held_big}
     assert not {big.ids[i] for i in held_big} & {big.ids[i] for i in train_big}
+
+
+@pytest.mark.parametrize("family", ["dflash", "dspark"])
+def test_collated_sequences_give_each_sequence_its_own_logits(tmp_path, family):
+    """Training attention over shared contexts (one matmul per sequence) and collating several
+    sequences into one forward change nothing a block sees."""
+    import mlx.nn as nn
+    from mlx_dflash.train.loop import Batches, feature_scale, new_drafter
+    from mlx_dflash.train.recipe import block_loss, collate, position_weights
+    from mlx_dflash.train.softmax import softmax_logsumexp
+
+    model, _, _ = _tiny_store(tmp_path)
+    target = Target(model)
+    store = FeatureStore(tmp_path / "store")
+    config = TrainConfig(store_dir=str(tmp_path / "store"), out_dir=str(tmp_path / "run"),
+                         family=family, block_size=4, num_layers=1, mask_token_id=2,
+                         markov_rank=8, num_anchors=6)
+    drafter = new_drafter(target, config, store.layer_ids)
+    batches = Batches(store, drafter, config,
+                      feature_scale([np.asarray(s.features) for s in store]))
+    # Sequences of different lengths, one with fewer anchors than the others.
+    seqs = [batches(i, np.random.default_rng(i)) for i in range(3)]
+    seqs.append(batches(3, np.random.default_rng(3), num_anchors=2))
+    joint = collate(seqs)
+    logits, _ = drafter.train_logits(target, joint.features, joint.blocks, joint.anchors,
+                                     joint.prev)
+    N = joint.blocks.shape[0] // len(seqs)
+    for g, b in enumerate(seqs):
+        own, _ = drafter.train_logits(target, b.features, b.blocks, b.anchors, b.prev)
+        n = b.blocks.shape[0]
+        assert mx.allclose(logits[g * N : g * N + n], own, atol=1e-4)
+        assert not np.array(joint.valid[g * N + n : (g + 1) * N]).any()  # padding: no labels
+
+    # The matmul attention equals SDPA over broadcast copies of the context.
+    attn = drafter.layers[0].self_attn
+    x = mx.random.normal((5, 4, 64))
+    ctx = mx.random.normal((1, 9, 64))
+    keys, values = attn.context_kv(ctx, 0)
+    anchors = mx.array([3, 4, 6, 8, 9])
+    visible = mx.arange(9)[None, None, :] < anchors[:, None, None]
+    mask = mx.concatenate([mx.broadcast_to(visible, (5, 4, 9)),
+                           mx.ones((5, 4, 4), mx.bool_)], axis=-1)[:, None]
+    got = attn(x, keys, values, anchors, mask)
+    want = [attn(x[i : i + 1], keys, values, anchors[i : i + 1], mask[i : i + 1])
+            for i in range(5)]
+    assert mx.allclose(got, mx.concatenate(want), atol=1e-5)
+
+    # One-pass softmax + logsumexp: values and gradients as MLX's own.
+    z = mx.random.normal((3, 7, 50)) * 5
+    lab = mx.random.randint(0, 50, (3, 7))
+
+    def ours(z):
+        q, lse = softmax_logsumexp(z)
+        return (q * q).sum() + (lse - mx.take_along_axis(z, lab[..., None], -1)[..., 0]).sum()
+
+    def mlx_own(z):
+        q = mx.softmax(z, axis=-1)
+        return (q * q).sum() + nn.losses.cross_entropy(z, lab, reduction="none").sum()
+
+    (a, ga), (b_, gb) = mx.value_and_grad(ours)(z), mx.value_and_grad(mlx_own)(z)
+    assert abs(a.item() - b_.item()) < 1e-3 and mx.allclose(ga, gb, atol=1e-5)
+    weights = position_weights(batches.n_labels + 1, 4.0)
+    loss, _ = block_loss(drafter, target, joint, weights, 0.1, 1.0,
+                         1.0 if family == "dspark" else 0.0)
+    assert np.isfinite(loss.item())
+
+
+def test_a_run_takes_sequences_that_arrive_in_its_store(tmp_path, monkeypatch, capsys):
+    import mlx_dflash.train.loop as loop
+
+    model, tok, _ = _tiny_store(tmp_path, n=12)
+    more = tmp_path / "more.jsonl"
+    more.write_text("\n".join(json.dumps({"id": i, "prompt": f"w{i} w{i + 1}"})
+                              for i in range(40, 52)))
+    real_validate, calls = loop.validate, {"n": 0}
+
+    def grow_then_validate(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:  # generation adds shards while the run trains
+            build_store(model, tok, read_prompts(more), tmp_path / "store", [0, 2],
+                        max_tokens=24, batch_size=5, top_k=4, progress=False)
+        return real_validate(*args, **kw)
+
+    monkeypatch.setattr(loop, "validate", grow_then_validate)
+    config = TrainConfig(store_dir=str(tmp_path / "store"), out_dir=str(tmp_path / "run"),
+                         block_size=4, num_layers=1, mask_token_id=2, max_steps=6,
+                         epochs=4, grad_accum=2, save_every_s=0)
+    train(model, config, progress=False)
+    assert "feature store grew: 12 -> 24 sequences" in capsys.readouterr().out

@@ -172,10 +172,11 @@ class DFlashDraftModel(nn.Module):
     def train_hidden(
         self, block_embeds: mx.array, features: mx.array, anchors: mx.array
     ) -> mx.array:
-        """Training pass over many blocks of one sequence.
+        """Training pass over many blocks of G sequences.
 
-        block_embeds [N, B, D] (block n starts at position anchors[n]), features [1, T, taps*D].
-        Block n sees context positions < anchors[n] and its own block bidirectionally.
+        block_embeds [G*N, B, D] (block n starts at position anchors[n] of sequence n // N),
+        features [G, T, taps*D]. Block n sees context positions < anchors[n] and its own block
+        bidirectionally.
         """
         ctx = self.fuse(features)
         N, B, _ = block_embeds.shape

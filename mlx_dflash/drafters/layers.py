@@ -189,15 +189,50 @@ class InjectedAttention(nn.Module):
         values = self._heads(self.v_proj(x), self.n_kv_heads)
         queries = self.rope(queries, offset=block_offset)
         keys = self.rope(keys, offset=block_offset)
-        if ctx_keys.shape[0] != N:  # training: one context shared by many blocks
-            ctx_keys = mx.broadcast_to(ctx_keys, (N, *ctx_keys.shape[1:]))
-            ctx_values = mx.broadcast_to(ctx_values, (N, *ctx_values.shape[1:]))
+        if ctx_keys.shape[0] != N:  # training: each context shared by many blocks
+            out = shared_context_attention(queries * self.scale, keys, values, ctx_keys,
+                                           ctx_values, mask)
+            return self.o_proj(out.transpose(0, 2, 1, 3).reshape(N, B, -1))
         keys = mx.concatenate([ctx_keys, keys], axis=2)
         values = mx.concatenate([ctx_values, values], axis=2)
         out = mx.fast.scaled_dot_product_attention(
             queries, keys, values, scale=self.scale, mask=mask
         )
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(N, B, -1))
+
+
+def shared_context_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    ctx_keys: mx.array,
+    ctx_values: mx.array,
+    mask: mx.array,
+) -> mx.array:
+    """Attention of G*N training blocks over their sequence's context and their own block.
+
+    queries [G*N, H, B, d] (scaled), keys/values [G*N, KV, B, d] (the blocks'), ctx_keys/values
+    [G, KV, T, d] (blocks n*G'..: sequence g owns blocks g*N..g*N+N-1), mask [G*N, 1, B, T+B].
+    The context part is one matmul per sequence and KV head instead of N broadcast copies of
+    the context through SDPA: MLX's CPU SDPA is slow, its matmuls go through BLAS.
+    """
+    GN, H, B, d = queries.shape
+    G, KV, T, _ = ctx_keys.shape
+    N, rep = GN // G, H // KV
+    # [G*N, H, B, d] -> [G, KV, N*rep*B, d]: the queries that read each context K/V head.
+    q = queries.reshape(G, N, KV, rep * B, d).transpose(0, 2, 1, 3, 4).reshape(G, KV, -1, d)
+    ctx_scores = (q @ ctx_keys.transpose(0, 1, 3, 2)).reshape(G, KV, N, rep * B, T)
+    ctx_scores = ctx_scores.transpose(0, 2, 1, 3, 4).reshape(GN, KV, rep * B, T)
+    q_blk = queries.reshape(GN, KV, rep * B, d)
+    blk_scores = q_blk @ keys.transpose(0, 1, 3, 2)  # [G*N, KV, rep*B, B]
+    scores = mx.concatenate([ctx_scores, blk_scores], axis=-1).reshape(GN, H, B, T + B)
+    scores = mx.where(mask, scores, mx.array(-1e30, scores.dtype))
+    probs = mx.softmax(scores, axis=-1, precise=True).reshape(GN, KV, rep * B, T + B)
+    p_ctx = probs[..., :T].reshape(G, N, KV, rep * B, T).transpose(0, 2, 1, 3, 4)
+    out = (p_ctx.reshape(G, KV, -1, T) @ ctx_values).reshape(G, KV, N, rep * B, d)
+    out = out.transpose(0, 2, 1, 3, 4).reshape(GN, KV, rep * B, d)
+    out = out + probs[..., T:] @ values
+    return out.reshape(GN, H, B, d)
 
 
 class DraftLayer(nn.Module):

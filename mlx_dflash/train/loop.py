@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from ..drafters import (
     DFlash2DraftModel,
@@ -34,6 +34,7 @@ from .recipe import (
     Batch,
     block_inputs,
     block_loss,
+    collate,
     choose_draft_vocab,
     init_from_target,
     position_weights,
@@ -344,28 +345,20 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
         epoch, within = divmod(step, steps_per_epoch)
         seq_ids = epoch_order(epoch)[within * config.grad_accum : (within + 1) * config.grad_accum]
         gen = np.random.default_rng([config.seed, step])
-        grads_sum, loss_sum, acc_sum, n = None, 0.0, None, 0
-        for i in seq_ids:
-            batch = batch_of(int(i), gen)
-            if batch is None:
-                continue
-            (loss, acc), grads = loss_and_grad(batch)
-            grads_sum = grads if grads_sum is None else tree_map(mx.add, grads_sum, grads)
-            loss_sum += loss
-            acc_sum = acc if acc_sum is None else acc_sum + acc
-            positions += int(batch.valid.size)
-            n += 1
+        batches = [b for b in (batch_of(int(i), gen) for i in seq_ids) if b is not None]
         step += 1
-        if n == 0:
+        if not batches:
             continue
-        grads = tree_map(lambda g, n=n: g / n, grads_sum)
+        # The step's sequences in one forward (see collate): fewer, larger ops.
+        (loss, acc), grads = loss_and_grad(collate(batches))
+        positions += sum(int(b.valid.size) for b in batches)
         grads, grad_norm = optim.clip_grad_norm(grads, config.grad_clip)
         optimizer.update(drafter, grads)
-        mx.eval(drafter.parameters(), optimizer.state, loss_sum, acc_sum)
+        mx.eval(drafter.parameters(), optimizer.state, loss, acc)
         state["train_seconds"] += time.perf_counter() - t_step
-        loss_value = loss_sum.item() / n
+        loss_value = loss.item()
         smooth = loss_value if smooth is None else 0.95 * smooth + 0.05 * loss_value
-        acc = (acc_sum / n).tolist()
+        acc = acc.tolist()
         rate = positions / (time.perf_counter() - tic)
         bar.set_postfix(loss=f"{smooth:.3f}", acc1=f"{acc[0]:.2f}", pos_s=f"{rate:.0f}")
         bar.update(1)
@@ -378,6 +371,14 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
         if time.perf_counter() - last_save > config.save_every_s or finished():
             save_and_validate()
             last_save = time.perf_counter()
+            # A store still being generated: train on what has arrived since (the held-out
+            # split is by id hash, so it stays the same; the epoch order takes the new ids).
+            grown = FeatureStore(config.store_dir)
+            if len(grown) > len(store):
+                print(f"feature store grew: {len(store)} -> {len(grown)} sequences")
+                store = batch_of.store = grown
+                train_idx, val_idx = held_out_split(store, config.val_fraction, config.seed)
+                steps_per_epoch = max(1, len(train_idx) // config.grad_accum)
     bar.close()
     log.close()
     if state.get("step") != step:

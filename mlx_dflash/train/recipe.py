@@ -17,6 +17,7 @@ import numpy as np
 
 from ..drafters import DFlashDraftModel
 from ..target import Target
+from .softmax import softmax_logsumexp
 
 
 def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -59,10 +60,11 @@ def position_weights(block_size: int, gamma: float) -> mx.array:
 
 
 class Batch(NamedTuple):
-    """Training blocks of one sequence. Slot k of a block is labelled with token anchor+k+1
+    """Training blocks of one sequence (or of G, see ``collate``). Slot k of a block is
+    labelled with token anchor+k+1
     (DFlash: the slot after it, k+1, is the one that predicts it; see ``train_logits``)."""
 
-    features: mx.array  # [1, T-1, taps*D] standardised target features
+    features: mx.array  # [G, T-1, taps*D] standardised target features
     blocks: mx.array  # [N, width] anchor + MASK ids
     anchors: mx.array  # [N]
     labels: mx.array  # [N, n] indices in the drafter's vocabulary (-1: outside it)
@@ -70,6 +72,37 @@ class Batch(NamedTuple):
     topk_ids: mx.array  # [N, n, k] the target's top-k (drafter indices, -1: outside)
     topk_probs: mx.array  # [N, n, k] and their probabilities
     prev: mx.array  # [N, n] target ids of the token before each label (teacher forcing)
+
+
+def collate(batches: list[Batch]) -> Batch:
+    """Several sequences' blocks as one batch: one forward, larger matmuls, fewer ops.
+
+    Features are zero-padded to the longest sequence (padding sits after every anchor, so no
+    block sees it) and each sequence's blocks padded to the same count with label-less copies
+    of its last block; ``train_hidden`` gives block n of ``features[g]`` to sequence
+    ``n // (blocks per sequence)``.
+    """
+    if len(batches) == 1:
+        return batches[0]
+    T = max(b.features.shape[1] for b in batches)
+    N = max(b.blocks.shape[0] for b in batches)
+
+    def rows(x: mx.array, fill: mx.array | None = None) -> mx.array:
+        extra = N - x.shape[0]
+        if extra == 0:
+            return x
+        pad = mx.broadcast_to(x[-1:] if fill is None else fill, (extra, *x.shape[1:]))
+        return mx.concatenate([x, pad.astype(x.dtype)], axis=0)
+
+    fields = {name: [] for name in Batch._fields}
+    for b in batches:
+        fields["features"].append(mx.pad(b.features, [(0, 0), (0, T - b.features.shape[1]),
+                                                      (0, 0)]))
+        for name in ("blocks", "anchors", "topk_ids", "topk_probs", "prev"):
+            fields[name].append(rows(getattr(b, name)))
+        fields["labels"].append(rows(b.labels, mx.array(-1)))
+        fields["valid"].append(rows(b.valid, mx.array(False)))
+    return Batch(*(mx.concatenate(fields[name], axis=0) for name in Batch._fields))
 
 
 def block_loss(
@@ -85,7 +118,7 @@ def block_loss(
     """Position-weighted CE on the target's tokens, total variation toward the target's
     distribution, (DSpark) the confidence head's BCE toward ``1 - TV`` and (DFlash 2) the
     selector's cross-entropy over each position's K candidates given the true previous token
-    (positions whose label is not a candidate left out), over all blocks of one sequence.
+    (positions whose label is not a candidate left out), over all blocks of the batch.
     Returns (loss, per-position accuracy).
 
     Labels outside the drafter's vocabulary count as wrong and are left out of the CE. The TV
@@ -100,12 +133,12 @@ def block_loss(
     w = weights[None, :] * valid
     total = w.sum()
     loss = 0.0
+    q, lse = softmax_logsumexp(logits)  # one exp pass for both terms (see softmax.py)
     if ce_weight:
-        ce = nn.losses.cross_entropy(logits, mx.maximum(labels, 0), reduction="none")
+        picked = mx.take_along_axis(logits, mx.maximum(labels, 0)[..., None], axis=-1)[..., 0]
         wc = w * (labels >= 0)
-        loss = loss + ce_weight * (ce * wc).sum() / mx.maximum(wc.sum(), 1e-6)
+        loss = loss + ce_weight * ((lse - picked) * wc).sum() / mx.maximum(wc.sum(), 1e-6)
     if tv_weight or (conf_weight and conf is not None):
-        q = mx.softmax(logits, axis=-1)
         known = batch.topk_ids >= 0
         q_k = mx.take_along_axis(q, mx.maximum(batch.topk_ids, 0), axis=-1) * known
         tv = 0.5 * (mx.abs(q_k - batch.topk_probs * known).sum(-1) + 1.0 - q_k.sum(-1))
