@@ -399,3 +399,6 @@ def test_a_run_takes_sequences_that_arrive_in_its_store(tmp_path, monkeypatch, c
                          epochs=4, grad_accum=2, save_every_s=0)
     train(model, config, progress=False)
     assert "feature store grew: 12 -> 24 sequences" in capsys.readouterr().out
+    # Validation scored the same held-out sequences before and after the store grew.
+    val = [json.loads(line) for line in open(tmp_path / "run" / "val_log.jsonl")]
+    assert len({r["blocks"] for r in val}) == 1

@@ -322,7 +322,12 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
         return np.random.default_rng(config.seed + 1 + epoch).permutation(train_idx)
 
     def save_and_validate() -> None:
-        val = validate(drafter, target, batch_of, val_idx[: config.val_sequences], config)
+        # The same held-out sequences at every checkpoint, also when the store has grown.
+        if "val_ids" not in state:
+            state["val_ids"] = [store.id_list()[i] for i in val_idx[: config.val_sequences]]
+        where = {sid: i for i, sid in enumerate(store.id_list())}
+        scored = [where[sid] for sid in state["val_ids"] if sid in where]
+        val = validate(drafter, target, batch_of, scored, config)
         state.update(step=step, total_steps=total_steps, config=asdict(config), val=val)
         _save(out, drafter, optimizer, state, scale)
         with open(out / "val_log.jsonl", "a") as f:
