@@ -39,8 +39,8 @@ FILES = [D + "eval_code_humaneval.jsonl", D + "eval_math_gsm8k.jsonl",
          D + "eval_chat_sharegpt.jsonl"]
 # rule -> (copy window: length, (shortest, longest) or None; whether to try the n-gram table)
 RULES = {"drafter": (None, False), "drafter+copy n=2": (2, False),
-         "drafter+copy n=3": (3, False), "drafter+copy n=2+ngram": (2, True), "drafter+copy n=4..2": ((2, 4), False),
-         "drafter+copy n=4..2+ngram": ((2, 4), True)}
+         "drafter+copy n=3": (3, False), "drafter+copy n=2+ngram": (2, True),
+         "drafter+copy n=4..2": ((2, 4), False), "drafter+copy n=4..2+ngram": ((2, 4), True)}
 
 
 def prefix_match(proposal, truth) -> int:
