@@ -174,7 +174,9 @@ def test_many_cycles_of_rollback(model_type):
         block = [committed[-1]] + rng.integers(3, 128, size=n - 1).tolist()
         logits, _ = target.forward(mx.array([block]), cache)
         want = model(mx.array([committed[:-1] + block]))[:, -n:]
-        assert mx.allclose(logits, want, rtol=1e-4, atol=1e-4)
+        # float32 summation order differs between a cached pass and a full one (and between
+        # CPUs: 1.5e-4 seen on an AMD EPYC); a rollback bug moves logits by ~0.1-1.
+        assert mx.allclose(logits, want, rtol=1e-4, atol=5e-4)
         accepted = int(rng.integers(0, n))
         Target.rollback(cache, n - 1 - accepted)
         committed += block[1 : 1 + accepted] + [int(rng.integers(3, 128))]

@@ -160,7 +160,8 @@ def _write_manifest(path: Path, target: Target, layer_ids: Sequence[int], top_k:
                 f"{path} already holds a store for another target, tap layers or top-k "
                 f"(layers {have['layer_ids']}, top_k {have['top_k']}); use another folder")
         return
-    tmp = file.with_suffix(".tmp")
+    # One temporary name per process: parallel workers write the same manifest at once.
+    tmp = file.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, file)
 
