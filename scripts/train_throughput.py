@@ -8,8 +8,8 @@ Every variant trains on the same store sequences (4 a step), interleaved step by
   s5 dspark     session 5's shipped recipe and code: DSpark g = 7, 16k draft vocabulary,
                 0.1 CE + 1.8 TV + confidence BCE, 16 anchors, one forward per sequence
   now dflash    the baseline's recipe on today's code (matmul attention over shared contexts,
-                one-pass softmax, the step's sequences collated into one forward)
-  now dspark    session 5's recipe on today's code
+                one-pass softmax; its 32 x 16 block rows a sequence are not collated)
+  now dspark    session 5's recipe on today's code (the step's sequences collated)
 "Session 5's code" is kept here as a reference: SDPA over broadcast copies of each context and
 MLX's own softmax / cross-entropy (see mlx_dflash/train/softmax.py for why they are slow here).
 """
@@ -32,7 +32,7 @@ from mlx_dflash.default_target import ensure_default_target
 from mlx_dflash.drafters import load_drafter
 from mlx_dflash.target import Target
 from mlx_dflash.train.loop import Batches, TrainConfig, feature_scale, new_drafter
-from mlx_dflash.train.recipe import block_loss, collate, position_weights
+from mlx_dflash.train.recipe import block_loss, position_weights, step_gradients
 from mlx_dflash.train.store import FeatureStore
 
 
@@ -116,7 +116,7 @@ def main() -> None:
                         total = grads if total is None else tree_map(mx.add, total, grads)
                     mx.eval(loss, total)
             else:
-                (loss, _), grads = fn(collate(seqs))
+                (loss, _), grads = step_gradients(fn, seqs)
                 mx.eval(loss, grads)
             if step >= 1:  # the first is warm-up
                 seconds[name] += time.perf_counter() - tic

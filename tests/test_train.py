@@ -402,3 +402,31 @@ def test_a_run_takes_sequences_that_arrive_in_its_store(tmp_path, monkeypatch, c
     # Validation scored the same held-out sequences before and after the store grew.
     state = json.loads((tmp_path / "run" / "checkpoint" / "trainer_state.json").read_text())
     assert state["val_ids"] and all(i.startswith("p:") for i in state["val_ids"])
+
+
+def test_step_gradients_per_sequence_equal_the_collated_step(tmp_path, monkeypatch):
+    """Large blocks go one sequence a forward, weighted by valid positions: with equal valid
+    counts that is the collated step's loss and gradients."""
+    import mlx.nn as nn
+    import mlx_dflash.train.recipe as recipe
+    from mlx.utils import tree_flatten
+    from mlx_dflash.train.loop import Batches, feature_scale, new_drafter
+
+    model, _, _ = _tiny_store(tmp_path)
+    target = Target(model)
+    store = FeatureStore(tmp_path / "store")
+    config = TrainConfig(store_dir=str(tmp_path / "store"), out_dir=str(tmp_path / "run"),
+                         block_size=4, num_layers=1, mask_token_id=2, num_anchors=3)
+    drafter = new_drafter(target, config, store.layer_ids)
+    batches = Batches(store, drafter, config,
+                      feature_scale([np.asarray(s.features) for s in store]))
+    seqs = [batches(i, np.random.default_rng(i)) for i in range(4)]
+    assert len({int(b.valid.sum()) for b in seqs}) == 1  # every block fully labelled
+    w = recipe.position_weights(batches.n_labels + 1, 7.0)
+    fn = nn.value_and_grad(drafter, lambda b: recipe.block_loss(drafter, target, b, w, 1.0, 0.5))
+    (loss, _), grads = recipe.step_gradients(fn, seqs)  # 12 rows a sequence: collated
+    monkeypatch.setattr(recipe, "COLLATE_MAX_ROWS", 4)
+    (loss_1, _), grads_1 = recipe.step_gradients(fn, seqs)
+    assert abs(loss.item() - loss_1.item()) < 1e-5
+    for (_, g), (_, g1) in zip(tree_flatten(grads), tree_flatten(grads_1)):
+        assert mx.allclose(g, g1, atol=1e-5)

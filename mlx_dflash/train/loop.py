@@ -34,11 +34,11 @@ from .recipe import (
     Batch,
     block_inputs,
     block_loss,
-    collate,
     choose_draft_vocab,
     init_from_target,
     position_weights,
     sample_anchors,
+    step_gradients,
 )
 from .store import FeatureStore
 
@@ -354,8 +354,7 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
         step += 1
         if not batches:
             continue
-        # The step's sequences in one forward (see collate): fewer, larger ops.
-        (loss, acc), grads = loss_and_grad(collate(batches))
+        (loss, acc), grads = step_gradients(loss_and_grad, batches)
         positions += sum(int(b.valid.size) for b in batches)
         grads, grad_norm = optim.clip_grad_norm(grads, config.grad_clip)
         optimizer.update(drafter, grads)

@@ -9,11 +9,12 @@ block (bidirectionally), never other blocks; position k predicts token ``anchor+
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_map
 
 from ..drafters import DFlashDraftModel
 from ..target import Target
@@ -103,6 +104,31 @@ def collate(batches: list[Batch]) -> Batch:
         fields["labels"].append(rows(b.labels, mx.array(-1)))
         fields["valid"].append(rows(b.valid, mx.array(False)))
     return Batch(*(mx.concatenate(fields[name], axis=0) for name in Batch._fields))
+
+
+# Collating pays where each sequence brings few block rows (DSpark, 16 anchors x 7: a step
+# 1.19x faster on this CPU); with DFlash's 32 blocks of 16 a sequence it measured 1.25x slower.
+COLLATE_MAX_ROWS = 256
+
+
+def step_gradients(loss_and_grad: Any, batches: list[Batch]) -> tuple[tuple, Any]:
+    """((loss, accuracy), grads) of one step: one collated forward when the sequences' blocks
+    are small, else one forward per sequence with the results weighted by valid positions
+    (the accuracy, logged only, by each sequence's share of all positions)."""
+    rows = max(int(b.blocks.size) for b in batches)
+    if rows <= COLLATE_MAX_ROWS or len(batches) == 1:
+        return loss_and_grad(collate(batches))
+    counts = [b.valid.sum().astype(mx.float32) for b in batches]
+    total = sum(counts)
+    loss = acc = grads = None
+    for b, n in zip(batches, counts):
+        (l_b, a_b), g_b = loss_and_grad(b)
+        share = n / total
+        loss = share * l_b if loss is None else loss + share * l_b
+        acc = share * a_b if acc is None else acc + share * a_b
+        g_b = tree_map(lambda g, s=share: s * g, g_b)
+        grads = g_b if grads is None else tree_map(mx.add, grads, g_b)
+    return (loss, acc), grads
 
 
 def block_loss(
