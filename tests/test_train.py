@@ -384,10 +384,11 @@ def test_a_run_takes_sequences_that_arrive_in_its_store(tmp_path, monkeypatch, c
     more = tmp_path / "more.jsonl"
     more.write_text("\n".join(json.dumps({"id": i, "prompt": f"w{i} w{i + 1}"})
                               for i in range(40, 52)))
-    real_validate, calls = loop.validate, {"n": 0}
+    real_validate, calls, scored = loop.validate, {"n": 0}, []
 
     def grow_then_validate(*args, **kw):
         calls["n"] += 1
+        scored.append(list(args[3]))
         if calls["n"] == 1:  # generation adds shards while the run trains
             build_store(model, tok, read_prompts(more), tmp_path / "store", [0, 2],
                         max_tokens=24, batch_size=5, top_k=4, progress=False)
@@ -399,9 +400,14 @@ def test_a_run_takes_sequences_that_arrive_in_its_store(tmp_path, monkeypatch, c
                          epochs=4, grad_accum=2, save_every_s=0)
     train(model, config, progress=False)
     assert "feature store grew: 12 -> 24 sequences" in capsys.readouterr().out
-    # Validation scored the same held-out sequences before and after the store grew.
+    # Validation topped its set up with held-out sequences that arrived (it held fewer than
+    # val_sequences) and scores only sequences held out now.
     state = json.loads((tmp_path / "run" / "checkpoint" / "trainer_state.json").read_text())
-    assert state["val_ids"] and all(i.startswith("p:") for i in state["val_ids"])
+    grown = FeatureStore(tmp_path / "store")
+    held = {grown.id_list()[i] for i in loop.held_out_split(grown, config.val_fraction,
+                                                             config.seed)[1]}
+    assert scored[0] and len(held) < config.val_sequences
+    assert set(state["val_ids"]) == held == {grown.id_list()[i] for i in scored[-1]}
 
 
 def test_step_gradients_per_sequence_equal_the_collated_step(tmp_path, monkeypatch):

@@ -322,11 +322,17 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
         return np.random.default_rng(config.seed + 1 + epoch).permutation(train_idx)
 
     def save_and_validate() -> None:
-        # The same held-out sequences at every checkpoint, also when the store has grown.
-        if "val_ids" not in state:
-            state["val_ids"] = [store.id_list()[i] for i in val_idx[: config.val_sequences]]
-        where = {sid: i for i, sid in enumerate(store.id_list())}
-        scored = [where[sid] for sid in state["val_ids"] if sid in where]
+        # The same held-out sequences at every checkpoint, also when the store has grown; a
+        # store still filling tops the set up to val_sequences. Below 1000 sequences the split
+        # may hand a fallback pick back to training: such an id is dropped, never scored.
+        ids = store.id_list()
+        held = {ids[i] for i in val_idx}
+        have = [sid for sid in state.get("val_ids", []) if sid in held]
+        have += [sid for sid in sorted(held - set(have), key=ids.index)][
+            : max(0, config.val_sequences - len(have))]
+        state["val_ids"] = have
+        where = {sid: i for i, sid in enumerate(ids)}
+        scored = [where[sid] for sid in have]
         val = validate(drafter, target, batch_of, scored, config)
         state.update(step=step, total_steps=total_steps, config=asdict(config), val=val)
         _save(out, drafter, optimizer, state, scale)
