@@ -52,8 +52,9 @@ def prefix_match(proposal, truth) -> int:
     return n
 
 
-def block_predictions(drafter, target, full: list[int], P: int) -> np.ndarray:
-    """Greedy drafts [anchors, max drafts] (target ids) for every anchor P..T-2."""
+def block_predictions(drafter, target, full: list[int], P: int, confidence: bool = False):
+    """Greedy drafts [anchors, max drafts] (target ids) for every anchor P..T-2; with
+    ``confidence``, also a DSpark drafter's calibrated per-slot confidences (same shape)."""
     T = len(full)
     _, feats = target.hidden_states(mx.array(full)[None], None, drafter.target_layer_ids)
     n = getattr(drafter, "max_drafts", drafter.block_size - 1)
@@ -70,6 +71,8 @@ def block_predictions(drafter, target, full: list[int], P: int) -> np.ndarray:
         idx = mx.take_along_axis(cand, mx.argmax(scores, axis=-1)[..., None], axis=-1)[..., 0]
     if drafter.vocab_ids is not None:
         idx = drafter.vocab_ids[idx]
+    if confidence:
+        return np.array(idx), np.array(drafter.calibrated(aux))
     return np.array(idx)
 
 
