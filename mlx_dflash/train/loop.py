@@ -326,12 +326,11 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
         # store still filling tops the set up to val_sequences. Below 1000 sequences the split
         # may hand a fallback pick back to training: such an id is dropped, never scored.
         ids = store.id_list()
+        where = {sid: i for i, sid in enumerate(ids)}
         held = {ids[i] for i in val_idx}
         have = [sid for sid in state.get("val_ids", []) if sid in held]
-        have += [sid for sid in sorted(held - set(have), key=ids.index)][
-            : max(0, config.val_sequences - len(have))]
+        have += sorted(held - set(have), key=where.get)[: max(0, config.val_sequences - len(have))]
         state["val_ids"] = have
-        where = {sid: i for i, sid in enumerate(ids)}
         scored = [where[sid] for sid in have]
         val = validate(drafter, target, batch_of, scored, config)
         state.update(step=step, total_steps=total_steps, config=asdict(config), val=val)
