@@ -120,14 +120,11 @@ def step_gradients(loss_and_grad: Any, batches: list[Batch]) -> tuple[tuple, Any
         return loss_and_grad(collate(batches))
     counts = [b.valid.sum().astype(mx.float32) for b in batches]
     total = sum(counts)
-    loss = acc = grads = None
-    for b, n in zip(batches, counts):
-        (l_b, a_b), g_b = loss_and_grad(b)
-        share = n / total
-        loss = share * l_b if loss is None else loss + share * l_b
-        acc = share * a_b if acc is None else acc + share * a_b
-        g_b = tree_map(lambda g, s=share: s * g, g_b)
-        grads = g_b if grads is None else tree_map(mx.add, grads, g_b)
+    shares = [n / total for n in counts]
+    results = [loss_and_grad(b) for b in batches]  # ((loss, accuracy), grads) each
+    loss = sum(s * r[0][0] for s, r in zip(shares, results))
+    acc = sum(s * r[0][1] for s, r in zip(shares, results))
+    grads = tree_map(lambda *g: sum(s * x for s, x in zip(shares, g)), *[r[1] for r in results])
     return (loss, acc), grads
 
 
