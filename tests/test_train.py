@@ -436,3 +436,49 @@ def test_step_gradients_per_sequence_equal_the_collated_step(tmp_path, monkeypat
     assert abs(loss.item() - loss_1.item()) < 1e-5
     for (_, g), (_, g1) in zip(tree_flatten(grads), tree_flatten(grads_1)):
         assert mx.allclose(g, g1, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["dflash", "dspark", "dflash2"])
+def test_grown_drafter_computes_what_it_did(family):
+    from test_dflash2 import make_dflash2
+    from test_dspark import make_dspark
+
+    from mlx_dflash.train.recipe import grow_layers
+
+    model = make_target("qwen3", vocab_size=64, num_layers=4)
+    make = {"dflash": make_drafter, "dspark": make_dspark, "dflash2": make_dflash2}[family]
+    drafter = make(model, num_layers=1)
+    target = Target(model)
+    features = mx.random.normal((1, 9, 2 * model.args.hidden_size))
+
+    def block_hidden():
+        cache = drafter.make_cache()
+        drafter.commit(features, cache)
+        return drafter.block_hidden(target, mx.array([5]), cache, drafter.args.block_size)
+
+    before = block_hidden()
+    assert grow_layers(drafter, 3) == 2
+    assert len(drafter.layers) == drafter.args.num_hidden_layers == 3
+    assert len(drafter.args.layer_types) == 3
+    assert mx.allclose(block_hidden(), before, atol=1e-5)
+    with pytest.raises(ValueError, match="cannot shrink"):
+        grow_layers(drafter, 2)
+
+
+def test_a_run_grows_the_drafter_it_starts_from(tmp_path):
+    model, _, _ = _tiny_store(tmp_path)
+    common = dict(store_dir=str(tmp_path / "store"), block_size=4, mask_token_id=2,
+                  learning_rate=3e-3, grad_accum=2)
+    train(model, TrainConfig(out_dir=str(tmp_path / "one"), num_layers=1, epochs=2, **common),
+          progress=False)
+    start = str(tmp_path / "one" / "checkpoint")
+    kept = train(model, TrainConfig(out_dir=str(tmp_path / "kept"), init_from=start, max_steps=1,
+                                    **common), progress=False)
+    assert len(kept.layers) == 1  # no --layers: the starting drafter's own count
+    train(model, TrainConfig(out_dir=str(tmp_path / "two"), num_layers=2, init_from=start,
+                             epochs=2, **common), progress=False)
+    log = [json.loads(line) for line in open(tmp_path / "two" / "train_log.jsonl")]
+    first = json.loads(open(tmp_path / "one" / "train_log.jsonl").readlines()[-1])
+    assert log[0]["loss"] < 1.5 * first["loss"]  # where the 1-layer run ended (fresh: ~7)
+    grown = load_drafter(tmp_path / "two" / "checkpoint", model=model)
+    assert len(grown.layers) == grown.args.num_hidden_layers == 2

@@ -39,7 +39,9 @@ def train(
                                       help="DSpark only: confidence-head BCE weight."),
     gamma: Optional[float] = typer.Option(None, "--gamma", min=0.1,
                                           help="Position decay (default 7 DFlash, 4 DSpark)."),
-    layers: int = typer.Option(2, "--layers", min=1),
+    layers: Optional[int] = typer.Option(
+        None, "--layers", min=1, help="Drafter layers (default 2; with --init-from, its own "
+        "count, or more to grow it)."),
     taps: int = typer.Option(4, "--taps", min=1, help="Target layers tapped for features."),
     mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id",
                                                 help="Default: the tokenizer's mask token, "

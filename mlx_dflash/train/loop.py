@@ -35,6 +35,7 @@ from .recipe import (
     block_inputs,
     block_loss,
     choose_draft_vocab,
+    grow_layers,
     init_from_target,
     position_weights,
     sample_anchors,
@@ -52,7 +53,7 @@ class TrainConfig:
     out_dir: str
     family: str = "dflash"  # or "dspark", "dflash2"
     block_size: int = 16
-    num_layers: int = 2
+    num_layers: int | None = None  # None: 2, or as many as the drafter it starts from
     markov_rank: int = 256  # DSpark only
     markov_head_type: str = "vanilla"  # DSpark only
     mask_token_id: int | None = None
@@ -95,7 +96,7 @@ def new_drafter(
         raise ValueError("mask_token_id is required (the target's vocabulary has no MASK token)")
     args = DraftArgs(
         hidden_size=target.hidden_size,
-        num_hidden_layers=config.num_layers,
+        num_hidden_layers=config.num_layers or 2,
         num_attention_heads=a.num_attention_heads,
         num_key_value_heads=getattr(a, "num_key_value_heads", a.num_attention_heads),
         head_dim=getattr(a, "head_dim", None) or target.hidden_size // a.num_attention_heads,
@@ -279,6 +280,9 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
             vocab = _choose_vocab(store, train_idx, val_idx, target, config.draft_vocab_size, out)
         if base is not None and base.family == config.family:
             drafter = base
+            if config.num_layers and grow_layers(drafter, config.num_layers):
+                print(f"Grew the drafter to {config.num_layers} layers (new ones start as the "
+                      "identity)")
             if vocab is not None:
                 drafter.set_draft_vocab(vocab)
         else:

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 from ..drafters import DFlashDraftModel
 from ..target import Target
@@ -191,13 +191,33 @@ def choose_draft_vocab(tokens: np.ndarray, vocab_size: int, size: int) -> tuple[
     return order.astype(np.int32), float(counts[order].sum() / max(counts.sum(), 1))
 
 
+def grow_layers(drafter: DFlashDraftModel, num_layers: int) -> int:
+    """Append layers to a trained drafter without changing what it computes (returns how many).
+
+    Each new layer copies the last one with its output projections (o_proj, down_proj) zeroed,
+    so it starts as the identity on the residual stream and its gradients are not zero.
+    """
+    have = len(drafter.layers)
+    if num_layers < have:
+        raise ValueError(f"cannot shrink a {have}-layer drafter to {num_layers} layers")
+    args = drafter.args
+    args.layer_types = list(args.layer_types) + [args.layer_types[-1]] * (num_layers - have)
+    args.num_hidden_layers = num_layers
+    last = tree_flatten(drafter.layers[-1].parameters())
+    zeroed = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+    for i in range(have, num_layers):
+        layer = drafter.layer_class(args, i)
+        layer.load_weights([(k, mx.zeros_like(v) if k in zeroed else mx.array(v))
+                            for k, v in last])
+        drafter.layers.append(layer)
+    return num_layers - have
+
+
 def init_from_target(drafter: DFlashDraftModel, target: Target) -> list[int]:
     """Warm-start the drafter's layers from the target's last layers (same shapes only).
 
     Returns the target layer indices copied. Norms the target lacks (q_norm/k_norm) stay ones.
     """
-    from mlx.utils import tree_flatten
-
     layers = target.inner.layers
     n = len(drafter.layers)
     sources = list(range(len(layers) - n, len(layers)))
