@@ -37,12 +37,16 @@ class CopyIndex:
     def lookup(self, max_len: int) -> list[int]:
         """The continuation (at most ``max_len`` tokens) after the last occurrence of the
         longest current suffix that occurred before, or [] when none did."""
+        return self.lookup_window(max_len)[1]
+
+    def lookup_window(self, max_len: int) -> tuple[int, list[int]]:
+        """``lookup`` with the length of the window it matched (0 and [] when none)."""
         if max_len <= 0:
-            return []
+            return 0, []
         for n in self.sizes:
             if len(self.tokens) < n:
                 continue
             pos = self.next_pos[n].get(tuple(self.tokens[-n:]))
             if pos is not None:
-                return self.tokens[pos : pos + max_len]
-        return []
+                return n, self.tokens[pos : pos + max_len]
+        return 0, []

@@ -26,16 +26,6 @@ from mlx_dflash.lookup import CopyIndex
 K = 7  # drafted tokens at B = 8
 
 
-def copy_with_window(index: CopyIndex, room: int) -> tuple[int, list[int]]:
-    """(window length, continuation) of the longest current suffix that occurred before."""
-    for n in index.sizes:
-        pos = index.next_pos[n].get(tuple(index.tokens[-n:])) if len(index.tokens) >= n \
-            else None
-        if pos is not None:
-            return n, index.tokens[pos : pos + room]
-    return 0, []
-
-
 def tau(seqs, rule) -> float:
     tokens = cycles = 0
     for full, P, drafts, conf in seqs:
@@ -43,7 +33,7 @@ def tau(seqs, rule) -> float:
         index = CopyIndex(full[: P + 1], 2, 4)
         while a < T - 1:
             room = min(K, T - 1 - a)
-            n, copied = copy_with_window(index, room)
+            n, copied = index.lookup_window(room)
             d_acc = prefix_match(list(drafts[a - P][:room]), full[a + 1 :])
             acc = d_acc
             if copied:

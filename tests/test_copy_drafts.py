@@ -23,10 +23,10 @@ def test_index_finds_the_latest_earlier_occurrence():
 def test_index_prefers_the_longest_window_that_occurred():
     # "5 2" last occurred before 8, but "4 5 2" (a longer match) before 6.
     index = CopyIndex([4, 5, 2, 6, 1, 5, 2, 8, 3, 4, 5, 2], ngram=2, longest=4)
-    assert index.lookup(2) == [6, 1]
+    assert index.lookup(2) == [6, 1] and index.lookup_window(2) == (3, [6, 1])
     assert CopyIndex([4, 5, 2, 6, 1, 5, 2, 8, 3, 4, 5, 2], ngram=2).lookup(2) == [8, 3]
     index.extend([9])  # "2 9" never occurred; no window of 2-4 tokens did
-    assert index.lookup(3) == []
+    assert index.lookup(3) == [] and index.lookup_window(3) == (0, [])
 
 
 def test_greedy_with_copy_drafts_is_lossless():
