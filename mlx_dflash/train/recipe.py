@@ -207,7 +207,7 @@ def grow_layers(drafter: DFlashDraftModel, num_layers: int) -> int:
     zeroed = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
     for i in range(have, num_layers):
         layer = drafter.layer_class(args, i)
-        layer.load_weights([(k, mx.zeros_like(v) if k in zeroed else mx.array(v))
+        layer.load_weights([(k, mx.zeros_like(v) if k in zeroed else v)
                             for k, v in last])
         drafter.layers.append(layer)
     return num_layers - have
