@@ -24,12 +24,20 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--verify-block-size", type=int, default=None)
     parser.add_argument("--bits", type=int, default=None, choices=[4, 8])
+    parser.add_argument("--path-bits", action="append", default=[], metavar="PREFIX=BITS",
+                        help="other bits for the layers under a path, e.g. markov_head=4")
     args = parser.parse_args()
     drafter = load_drafter(args.checkpoint, dtype=mx.bfloat16)
     drafter.args.verify_block_size = args.verify_block_size
     extra = None
     if args.bits:
-        extra = quantize_drafter(drafter, args.bits)
+        path_bits = {}
+        for item in args.path_bits:
+            prefix, _, b = item.partition("=")
+            if b not in ("4", "8"):
+                parser.error(f"--path-bits wants PREFIX=4 or PREFIX=8, got '{item}'")
+            path_bits[prefix] = int(b)
+        extra = quantize_drafter(drafter, args.bits, path_bits=path_bits)
     save_drafter(drafter, args.out, extra_config=extra)
     print(f"wrote {args.out}")
 

@@ -124,3 +124,29 @@ def test_calibration_temperatures_and_offsets_apply_and_round_trip(tmp_path):
     again = load_drafter(tmp_path / "d", model=model)
     assert again.args.confidence_offsets == [0.5, -1.0]
     assert mx.allclose(again.calibrated(logits), expected)
+
+
+def test_markov_head_at_other_bits_round_trips_and_stays_lossless(tmp_path):
+    """The shipped drafter stores its Markov tables at 4 bits, the rest at 8 (file size)."""
+    import mlx.nn as nn
+
+    from mlx_dflash.drafters import quantize_drafter
+
+    model = make_target("qwen3", seed=4)
+    drafter = make_dspark(model, "vanilla", markov_rank=32)
+    want, _ = reference(model, [9, 10, 11, 12], 24)
+    with pytest.raises(ValueError, match="no drafter layers under markov"):
+        quantize_drafter(drafter, 8, group_size=32, path_bits={"markov": 4})
+    extra = quantize_drafter(drafter, 8, group_size=32, path_bits={"markov_head": 4})
+    q = extra["quantization"]
+    assert q["bits"] == 8 and q["markov_head.markov_w2"] == {"group_size": 32, "bits": 4}
+    save_drafter(drafter, tmp_path / "d", extra_config=extra)
+    loaded = load_drafter(tmp_path / "d", model=model, dequantize=False)
+    assert loaded.markov_head.markov_w2.bits == 4 and loaded.markov_head.markov_w1.bits == 4
+    assert isinstance(loaded.fc, nn.QuantizedLinear) and loaded.fc.bits == 8
+    for d in (loaded, load_drafter(tmp_path / "d", model=model, dequantize=True)):
+        got = []
+        for r in stream_generate(model, d, make_tokenizer(128), [9, 10, 11, 12],
+                                 max_tokens=24, copy_drafts=False):
+            got += r.tokens
+        assert got == want

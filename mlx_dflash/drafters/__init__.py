@@ -106,7 +106,9 @@ def load_drafter(
             group_size=quant["group_size"],
             bits=quant["bits"],
             mode=quant.get("mode", "affine"),
-            class_predicate=lambda p, m: f"{p}.scales" in weights,
+            # mlx-lm's convention: a path's own entry overrides the defaults (a layer at 4 bits)
+            class_predicate=lambda p, m: f"{p}.scales" in weights
+            and (quant[p] if isinstance(quant.get(p), dict) else True),
         )
     expected = {k for k, _ in tree_flatten(drafter.parameters())}
     missing = sorted(expected - weights.keys())
@@ -244,13 +246,29 @@ def _dequantize_raw(weights: dict[str, mx.array], quant: dict) -> None:
                                           group_size=quant["group_size"], bits=quant["bits"])
 
 
-def quantize_drafter(drafter: DFlashDraftModel, bits: int, group_size: int = 64) -> dict:
+def quantize_drafter(drafter: DFlashDraftModel, bits: int, group_size: int = 64,
+                     path_bits: dict[str, int] | None = None) -> dict:
     """Quantize (affine) the linear and embedding layers whose input width splits into groups,
     and a DFlash 2 drafter's codebooks (raw tensors: stored as ``X`` packed, ``X_scales``,
-    ``X_biases``); returns the config entry that :func:`save_drafter` needs to record it."""
-    nn.quantize(drafter, group_size=group_size, bits=bits,
-                class_predicate=lambda p, m: isinstance(m, (nn.Linear, nn.Embedding))
-                and m.weight.shape[-1] % group_size == 0)
+    ``X_biases``); ``path_bits`` gives other bits to the layers under a path prefix (e.g.
+    ``{"markov_head": 4}``). Returns the config entry that :func:`save_drafter` needs."""
+    path_bits = path_bits or {}
+    overrides: dict[str, dict] = {}
+
+    def predicate(path: str, m: nn.Module) -> bool | dict:
+        if not (isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % group_size == 0):
+            return False
+        for prefix, b in path_bits.items():
+            if path == prefix or path.startswith(prefix + "."):
+                overrides[path] = {"group_size": group_size, "bits": b}
+                return overrides[path]
+        return True
+
+    unknown = [p for p in path_bits
+               if not any(k == p or k.startswith(p + ".") for k, _ in drafter.named_modules())]
+    if unknown:
+        raise ValueError(f"no drafter layers under {', '.join(unknown)}")
+    nn.quantize(drafter, group_size=group_size, bits=bits, class_predicate=predicate)
     selector = getattr(drafter, "candidate_selector", None)
     for name in ("predecessor_codebook", "successor_codebook") if selector else ():
         if selector[name].shape[-1] % group_size:
@@ -258,7 +276,8 @@ def quantize_drafter(drafter: DFlashDraftModel, bits: int, group_size: int = 64)
         packed, scales, biases = mx.quantize(selector[name], group_size=group_size, bits=bits)
         selector[name], selector[f"{name}_scales"], selector[f"{name}_biases"] = (
             packed, scales, biases)
-    return {"quantization": {"group_size": group_size, "bits": bits, "mode": "affine"}}
+    return {"quantization": {"group_size": group_size, "bits": bits, "mode": "affine",
+                             **overrides}}
 
 
 def save_drafter(drafter: DFlashDraftModel, path: str | Path, extra_config: dict | None = None):

@@ -90,7 +90,8 @@ class DSparkDraftModel(DFlashDraftModel):
         """(W1[prev] or None, Markov bias or 0, new state) for one slot or a [.., g] batch."""
         if "markov_head" not in self:
             return None, 0.0, state
-        prev_emb = self.markov_head.markov_w1(prev)
+        # Flat ids: a quantized embedding cannot look up a 0-d index (MLX 0.32).
+        prev_emb = self.markov_head.markov_w1(prev.reshape(-1)).reshape(*prev.shape, -1)
         bias, state = self.markov_head.step(prev_emb, hidden, state)
         return prev_emb, bias, state
 
