@@ -1,13 +1,14 @@
 """Export a training checkpoint as a shipped drafter (bfloat16 weights, z-lab layout).
 
 Usage: python scripts/export_drafter.py RUN/checkpoint mlx_dflash/assets/drafters/NAME
-       [--verify-block-size N] [--bits 8]
+       [--verify-block-size N] [--bits 8] [--path-bits markov_head=4]
 
 --bits quantizes the linear and embedding layers whose input width splits into groups of 64
 (affine, the rest stays bfloat16): a DSpark drafter's Markov head doubles its size otherwise.
 Loading dequantizes it again where there is no Metal GPU. A DFlash 2 drafter's codebooks (raw
 tensors in the published layout) are stored quantized the same way (``X`` packed, ``X_scales``,
-``X_biases``) and always dequantized on loading.
+``X_biases``) and always dequantized on loading. --path-bits gives the layers under a path
+other bits (the shipped DSpark drafter: its Markov tables at 4 bits keep the file < 20 MiB).
 """
 
 import argparse
