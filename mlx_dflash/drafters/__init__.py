@@ -255,17 +255,20 @@ def quantize_drafter(drafter: DFlashDraftModel, bits: int, group_size: int = 64,
     path_bits = path_bits or {}
     overrides: dict[str, dict] = {}
 
+    def under(path: str, prefix: str) -> bool:
+        return path == prefix or path.startswith(prefix + ".")
+
     def predicate(path: str, m: nn.Module) -> bool | dict:
         if not (isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % group_size == 0):
             return False
         for prefix, b in path_bits.items():
-            if path == prefix or path.startswith(prefix + "."):
+            if under(path, prefix):
                 overrides[path] = {"group_size": group_size, "bits": b}
                 return overrides[path]
         return True
 
     unknown = [p for p in path_bits
-               if not any(k == p or k.startswith(p + ".") for k, _ in drafter.named_modules())]
+               if not any(under(k, p) for k, _ in drafter.named_modules())]
     if unknown:
         raise ValueError(f"no drafter layers under {', '.join(unknown)}")
     nn.quantize(drafter, group_size=group_size, bits=bits, class_predicate=predicate)
