@@ -99,7 +99,8 @@ def _cache_file(target: Any, drafter: Any, max_tokens: int) -> Path:
 
     key = json.dumps(["propose", target_fingerprint(target), drafter.args.hidden_size,
                       drafter.args.num_hidden_layers, drafter.args.draft_vocab_size,
-                      drafter.block_size, type(drafter).__name__, max_tokens, platform.node(),
+                      drafter.block_size, type(drafter).__name__,
+                      getattr(drafter, "walk_candidates", None), max_tokens, platform.node(),
                       platform.machine(), mx.__version__, str(mx.default_device()),
                       os.environ.get("MLX_DFLASH_FAST_BLAS", "1")], sort_keys=True)
     name = hashlib.sha256(key.encode()).hexdigest()[:20]

@@ -1,8 +1,10 @@
 """Compare drafters, block sizes and copy-draft rules on the eval files by exact greedy
 simulation (default target, float32).
 
-    python scripts/eval_drafters.py DRAFTER[=LABEL] ... [--limit 16] [--max-tokens 96]
-           [--blocks 4 8] [--json OUT]
+    python scripts/eval_drafters.py DRAFTER[@M][=LABEL] ... [--limit 16] [--max-tokens 96]
+           [--blocks 4 8] [--json OUT] [--refs REFS.json]
+
+(``@M``: a DSpark drafter's Markov walk chooses among each slot's M top unary tokens; @0 all.)
 
 For greedy decoding every committed token is the target's own, so once the target's plain
 output is known each cycle's outcome is too: at every possible anchor we score the drafter's
@@ -21,6 +23,7 @@ measured figures run a little lower.
 
 import argparse
 import json
+import os
 
 import mlx_dflash  # noqa: F401  (fast BLAS first)
 import mlx.core as mx
@@ -63,8 +66,10 @@ def block_predictions(drafter, target, full: list[int], P: int, confidence: bool
     blocks = np.full((len(anchors), drafter.block_size), drafter.mask_token_id)
     blocks[:, 0] = padded[anchors]
     prev = padded[anchors[:, None] + np.arange(n)[None]]  # the anchor, then true tokens
+    # DSpark: the walk picks among each slot's top unary candidates (walk_candidates).
+    kw = {"candidates": drafter.walk_candidates} if hasattr(drafter, "walk_candidates") else {}
     logits, aux = drafter.train_logits(target, feats, mx.array(blocks), mx.array(anchors),
-                                       mx.array(prev))
+                                       mx.array(prev), **kw)
     idx = mx.argmax(logits, axis=-1)
     if isinstance(aux, tuple):  # DFlash 2: the selector's pick given the true previous token
         scores, cand = aux
@@ -113,20 +118,25 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--files", nargs="+", default=FILES)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--refs", default=None, help="cache of the target's plain outputs (JSON)")
     args = ap.parse_args()
     model, _, tok = load_pair(None, None)
     target = as_target(model)
     drafters = {}
     for spec in args.drafters:
         path, _, label = spec.partition("=")
-        drafters[label or path] = load_drafter(resolve_drafter(path), model=model)
+        path, _, walk = path.partition("@")  # PATH@M: a DSpark walk among M candidates
+        drafters[label or spec] = d = load_drafter(resolve_drafter(path), model=model)
+        if walk:
+            d.walk_candidates = int(walk)
     Bmax = max(args.blocks)
     # Pass costs once per architecture: drafters that differ only in weights (or n-gram table)
     # must be scored with the same costs, or timing noise picks different lookup decisions.
     measured, costs = {}, {}
     for name, d in drafters.items():
         arch = (type(d).__name__, d.block_size, d.args.hidden_size, d.args.num_hidden_layers,
-                d.args.intermediate_size, d.args.draft_vocab_size)
+                d.args.intermediate_size, d.args.draft_vocab_size,
+                getattr(d, "walk_candidates", None))
         if arch not in measured:
             measured[arch] = measure_costs(target, d, Bmax, reps=3)
         costs[name] = measured[arch]
@@ -137,16 +147,28 @@ def main() -> None:
 
     report = {"settings": vars(args), "decode_s": verify(1),
               "draft_s": {k: c.draft_s for k, c in costs.items()}, "domains": {}}
+    # The target's plain outputs, reused from --refs when it holds them for these settings.
+    refs_key = [args.files, args.limit, args.max_tokens]
+    refs = {}
+    if args.refs and os.path.exists(args.refs):
+        with open(args.refs) as f:
+            saved = json.load(f)
+        refs = saved["seqs"] if saved.get("key") == refs_key else {}
     for domain, texts in load_prompt_sets(args.files, args.limit).items():
-        seqs = []
-        for text in texts:
-            prompt = tok.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True)
-            ref = []
-            for r in stream_generate(model, None, tok, prompt, max_tokens=args.max_tokens):
-                ref += r.tokens
-            if len(ref) >= 2:
-                seqs.append((prompt + ref, len(prompt)))
+        if domain not in refs:
+            refs[domain] = []
+            for text in texts:
+                prompt = tok.apply_chat_template([{"role": "user", "content": text}],
+                                                 add_generation_prompt=True)
+                ref = []
+                for r in stream_generate(model, None, tok, prompt, max_tokens=args.max_tokens):
+                    ref += r.tokens
+                if len(ref) >= 2:
+                    refs[domain].append((prompt + ref, len(prompt)))
+            if args.refs:
+                with open(args.refs, "w") as f:
+                    json.dump({"key": refs_key, "seqs": refs}, f)
+        seqs = [(list(full), P) for full, P in refs[domain]]
         rows = {}
         for name, drafter in drafters.items():
             preds = [block_predictions(drafter, target, full, P) for full, P in seqs]

@@ -31,10 +31,12 @@ def make_dspark(model, kind="vanilla", vocab=None, **kw):
 
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
 @pytest.mark.parametrize("reduced", [False, True])
-def test_greedy_dspark_is_lossless_and_walk_matches_training(kind, reduced):
+@pytest.mark.parametrize("candidates", [0, 3])
+def test_greedy_dspark_is_lossless_and_walk_matches_training(kind, reduced, candidates):
     model = make_target("qwen3", seed=4)
     vocab = np.random.default_rng(1).permutation(128)[:50].tolist() if reduced else None
     drafter = make_dspark(model, kind, vocab)
+    drafter.walk_candidates = candidates  # 3: each walk step picks among 3 tokens
     tok = make_tokenizer(128)
     for prompt in ([5], [9, 10, 11, 12], list(range(3, 40))):
         want, _ = reference(model, prompt, 24)
@@ -55,17 +57,23 @@ def test_greedy_dspark_is_lossless_and_walk_matches_training(kind, reduced):
     assert drafter.last_confidence.shape == (5,)
     block = mx.array([[11] + [drafter.mask_token_id] * 4])
     prev = mx.concatenate([mx.array([11]), drafts[:-1]])[None]
-    logits, conf = drafter.train_logits(target, feats[:, :6], block, mx.array([6]), prev)
+    logits, conf = drafter.train_logits(target, feats[:, :6], block, mx.array([6]), prev,
+                                        candidates)
     idx = mx.argmax(logits[0], axis=-1)
     mapped = drafter.vocab_ids[idx] if reduced else idx
     assert mapped.tolist() == drafts.tolist()
     assert mx.allclose(mx.sigmoid(conf[0]), drafter.last_confidence, atol=1e-5)
 
 
-def test_sampled_dspark_follows_the_target():
+@pytest.mark.parametrize("candidates,reduced", [(0, False), (2, False), (3, True)])
+def test_sampled_dspark_follows_the_target(candidates, reduced):
     model = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)
-    drafter = make_dspark(model, "vanilla", layer_ids=(0, 1), block_size=3, seed=7)
     joint, marginal4 = exact_joint(model, SamplingParams(1.0, 1.0, 0))
+    # reduced: a draft vocabulary without the target's favourite token
+    favourite = int(np.argmax(joint.sum(axis=(1, 2))))
+    vocab = [i for i in range(V) if i != favourite] if reduced else None
+    drafter = make_dspark(model, "vanilla", vocab, layer_ids=(0, 1), block_size=3, seed=7)
+    drafter.walk_candidates = candidates  # 2: proposals are zero outside 2 tokens a slot
     counts, counts4, accepted, _ = sample_runs(model, drafter, 11, temperature=1.0,
                                                block_size=4, copy_drafts=False)
     assert_follows(counts, counts4, joint, marginal4)
@@ -144,6 +152,11 @@ def test_markov_head_at_other_bits_round_trips_and_stays_lossless(tmp_path):
     loaded = load_drafter(tmp_path / "d", model=model, dequantize=False)
     assert loaded.markov_head.markov_w2.bits == 4 and loaded.markov_head.markov_w1.bits == 4
     assert isinstance(loaded.fc, nn.QuantizedLinear) and loaded.fc.bits == 8
+    # The candidate walk reads W2 rows straight from the quantized table.
+    w2 = loaded.markov_head.markov_w2
+    rows = mx.array([[3, 17], [100, 0]])
+    full = mx.dequantize(w2.weight, w2.scales, w2.biases, w2.group_size, w2.bits)
+    assert mx.allclose(loaded.markov_head.w2_rows(rows), full[rows])
     for d in (loaded, load_drafter(tmp_path / "d", model=model, dequantize=True)):
         got = []
         for r in stream_generate(model, d, make_tokenizer(128), [9, 10, 11, 12],

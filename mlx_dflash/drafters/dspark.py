@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..accept import SamplingParams, sampling_logits
+from ..accept import CandidateProposal, SamplingParams, sampling_logits
 from .dflash import DFlashDraftModel
 from .layers import DraftArgs
 
@@ -38,20 +38,32 @@ class MarkovHead(nn.Module):
         elif kind == "rnn":
             self.joint_proj = nn.Linear(2 * rank + hidden, 3 * rank)
 
-    def step(self, prev_emb: mx.array, h: mx.array, state: mx.array | None):
-        """One slot: (bias [.., n_out], new rnn state). prev_emb = W1[prev], h = slot hidden."""
+    def step(self, prev_emb: mx.array, h: mx.array, state: mx.array | None,
+             w2_rows: mx.array | None = None):
+        """One slot: (bias [.., n_out], new rnn state). prev_emb = W1[prev], h = slot hidden;
+        with ``w2_rows`` [M, r] (rows of W2) the bias covers only those M tokens."""
+        w2 = self.markov_w2 if w2_rows is None else (lambda x: w2_rows @ x)
         if self.kind == "vanilla":
-            return self.markov_w2(prev_emb), state
+            return w2(prev_emb), state
         if self.kind == "gated":
             gate = mx.sigmoid(self.gate_proj(mx.concatenate([h, prev_emb], axis=-1)))
-            return self.markov_w2(gate * prev_emb), state
+            return w2(gate * prev_emb), state
         if state is None:
             state = mx.zeros_like(prev_emb)
         g, c, o = mx.split(self.joint_proj(mx.concatenate([state, prev_emb, h], axis=-1)), 3,
                            axis=-1)
         g = mx.sigmoid(g)
         state = g * state + (1 - g) * mx.tanh(c)
-        return self.markov_w2(mx.tanh(o)), state
+        return w2(mx.tanh(o)), state
+
+    def w2_rows(self, idx: mx.array) -> mx.array:
+        """Rows ``idx`` of W2 (float, dequantized if W2 is quantized): [*idx.shape, r]."""
+        w2 = self.markov_w2
+        if not isinstance(w2, nn.QuantizedLinear):
+            return w2.weight[idx]
+        biases = w2.biases[idx] if w2.get("biases") is not None else None
+        return mx.dequantize(w2.weight[idx], w2.scales[idx], biases, w2.group_size, w2.bits,
+                             mode=w2.mode)
 
 
 class ConfidenceHead(nn.Module):
@@ -66,6 +78,8 @@ class ConfidenceHead(nn.Module):
 class DSparkDraftModel(DFlashDraftModel):
     family = "dspark"
     fixed_vocab = True
+    # Tokens a Markov walk step chooses among (the slot's top unary logits); 0: all of them.
+    walk_candidates = 256
 
     def __init__(self, args: DraftArgs):
         super().__init__(args)
@@ -86,13 +100,14 @@ class DSparkDraftModel(DFlashDraftModel):
         """g inputs give g drafts; the block width never changes (DFlash widens its block)."""
         return self.block_size
 
-    def markov(self, prev: mx.array, hidden: mx.array, state: mx.array | None):
+    def markov(self, prev: mx.array, hidden: mx.array, state: mx.array | None,
+               w2_rows: mx.array | None = None):
         """(W1[prev] or None, Markov bias or 0, new state) for one slot or a [.., g] batch."""
         if "markov_head" not in self:
             return None, 0.0, state
         # Flat ids: a quantized embedding cannot look up a 0-d index (MLX 0.32).
         prev_emb = self.markov_head.markov_w1(prev.reshape(-1)).reshape(*prev.shape, -1)
-        bias, state = self.markov_head.step(prev_emb, hidden, state)
+        bias, state = self.markov_head.step(prev_emb, hidden, state, w2_rows)
         return prev_emb, bias, state
 
     def confidence_logits(self, hidden: mx.array, prev_emb: mx.array | None) -> mx.array | None:
@@ -104,11 +119,15 @@ class DSparkDraftModel(DFlashDraftModel):
         return self.confidence_head(x)
 
     def block_logits(
-        self, target: Any, hidden: mx.array, prev: mx.array
+        self, target: Any, hidden: mx.array, prev: mx.array, candidates: int = 0
     ) -> tuple[mx.array, mx.array | None]:
         """Teacher-forced slots: hidden [N, g, D], prev [N, g] W1 rows of the previous tokens
-        -> draft logits [N, g, V'] (with the Markov bias) and confidence logits [N, g]."""
+        -> draft logits [N, g, V'] (with the Markov bias) and confidence logits [N, g]. With
+        ``candidates`` M, logits outside each slot's top M unary ones are -inf, as in the walk."""
         unary = self.head(target, hidden)
+        if 0 < candidates < unary.shape[-1]:
+            kth = mx.partition(unary, -candidates, axis=-1)[..., -candidates, None]
+            unary = mx.where(unary >= kth, unary, -mx.inf)
         if "markov_head" in self and self.markov_head.kind == "rnn":  # a recurrence over slots
             state, biases, embs = None, [], []
             for k in range(hidden.shape[1]):
@@ -120,13 +139,13 @@ class DSparkDraftModel(DFlashDraftModel):
             prev_emb, bias, _ = self.markov(prev, hidden, None)
         return unary + bias, self.confidence_logits(hidden, prev_emb)
 
-    def train_logits(self, target: Any, features, blocks, anchors, prev):
+    def train_logits(self, target: Any, features, blocks, anchors, prev, candidates: int = 0):
         """(draft logits [N, g, V'], confidence logits [N, g]) of training blocks; slot k is
         labelled with token anchor+k+1 and ``prev`` [N, g] holds the true token before it
-        (teacher forcing: the anchor, then the labels)."""
+        (teacher forcing: the anchor, then the labels); ``candidates`` as in block_logits."""
         embeds = self.embed_block(target, blocks)
         hidden = self.train_hidden(embeds, features, anchors)
-        return self.block_logits(target, hidden, self.prev_rows(prev))
+        return self.block_logits(target, hidden, self.prev_rows(prev), candidates)
 
     def propose(
         self,
@@ -136,15 +155,26 @@ class DSparkDraftModel(DFlashDraftModel):
         block_size: int,
         num_drafts: int,
         params: SamplingParams,
-    ) -> tuple[mx.array, mx.array | None]:
-        """K <= g drafts by the Markov walk from the anchor (lazy: no host sync)."""
+    ) -> tuple[mx.array, mx.array | CandidateProposal | None]:
+        """K <= g drafts by the Markov walk from the anchor (lazy: no host sync).
+
+        With ``walk_candidates`` M, slot k draws only among the M tokens its unary logits rank
+        highest, so a walk step reads M rows of W2 instead of all of them (most of the walk's
+        cost on a CPU); the proposal is then zero outside them, which verification handles."""
         K = num_drafts
         hidden = self.block_hidden(target, anchor, cache, self.block_size)[:K]
         unary = self.head(target, hidden)  # [K, V']
+        M = self.walk_candidates
+        cand = w2_rows = None
+        if "markov_head" in self and 0 < M < unary.shape[-1]:
+            cand = mx.argpartition(-unary, M - 1, axis=-1)[:, :M].astype(mx.int32)  # [K, M]
+            unary = mx.take_along_axis(unary, cand, axis=-1)
+            w2_rows = self.markov_head.w2_rows(cand)  # [K, M, r]
         prev, state = self.prev_rows(anchor)[0], None
         drafts, probs, conf = [], [], []
         for k in range(K):
-            prev_emb, bias, state = self.markov(prev, hidden[k], state)
+            rows = w2_rows[k] if w2_rows is not None else None
+            prev_emb, bias, state = self.markov(prev, hidden[k], state, rows)
             logits = unary[k] + bias
             c = self.confidence_logits(hidden[k], prev_emb)
             if c is not None:
@@ -155,6 +185,8 @@ class DSparkDraftModel(DFlashDraftModel):
                 scaled = sampling_logits(logits[None], params)[0]
                 x = mx.random.categorical(scaled)
                 probs.append(mx.softmax(scaled, axis=-1))
+            if cand is not None:
+                x = cand[k][x]  # candidate slot -> draft-vocabulary index
             drafts.append(x)
             prev = x.astype(mx.int32)
         # Per-slot survival probabilities (calibrated), for a scheduler to read.
@@ -165,7 +197,10 @@ class DSparkDraftModel(DFlashDraftModel):
         out = (vocab[idx] if vocab is not None else idx).astype(mx.uint32)
         if params.greedy:
             return out, None
-        q = mx.stack(probs)
+        q = mx.stack(probs)  # [K, M] over cand, else [K, V'] over the draft vocabulary
+        if cand is not None:
+            ids = vocab[cand] if vocab is not None else cand
+            return out, CandidateProposal(ids.astype(mx.uint32), q)
         if vocab is not None:
             q = mx.put_along_axis(mx.zeros((K, target.vocab_size), dtype=q.dtype),
                                   mx.broadcast_to(vocab[None], q.shape), q, axis=-1)
