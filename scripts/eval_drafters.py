@@ -168,7 +168,7 @@ def main() -> None:
             if args.refs:
                 with open(args.refs, "w") as f:
                     json.dump({"key": refs_key, "seqs": refs}, f)
-        seqs = [(list(full), P) for full, P in refs[domain]]
+        seqs = refs[domain]  # [full tokens, prompt length] pairs
         rows = {}
         for name, drafter in drafters.items():
             preds = [block_predictions(drafter, target, full, P) for full, P in seqs]

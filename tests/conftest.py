@@ -11,6 +11,6 @@ def _pass_costs_in_a_temp_dir(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("costs")
     original = schedule._cache_file
-    schedule._cache_file = lambda *a: root / original(*a).name
-    yield
-    schedule._cache_file = original
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(schedule, "_cache_file", lambda *a: root / original(*a).name)
+        yield
