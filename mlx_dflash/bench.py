@@ -55,15 +55,15 @@ def measure_pass_costs(
         mx.eval(drafter.propose(target, anchor, draft_cache, width, block_size - 1,
                                 SamplingParams())[0])  # the walk too (DSpark, DFlash 2)
 
-    from .schedule import best_time
+    from .schedule import best_times
 
-    def timed(fn: Any) -> float:
-        return best_time(fn, reps)
-
-    one, block = timed(lambda: target_pass(1)), timed(lambda: target_pass(block_size))
-    costs = {"decode_s": one, "verify_s": block, "ratio": block / one}
+    passes = [lambda: target_pass(1), lambda: target_pass(block_size)]
     if drafter is not None:
-        costs["draft_s"] = timed(draft_pass)
+        passes.append(draft_pass)
+    one, block, *draft = best_times(passes, reps)  # in turn, as the scheduler's snapshot
+    costs = {"decode_s": one, "verify_s": block, "ratio": block / one}
+    if draft:
+        costs["draft_s"] = draft[0]
     return costs
 
 

@@ -48,16 +48,25 @@ class PassCosts:
 
 def best_time(fn: Any, reps: int) -> float:
     """Best-of-``reps`` seconds of ``fn()`` after one warm-up call."""
-    fn()  # warm-up: compilation, allocation
-    times = []
-    for _ in range(reps):
-        tic = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - tic)
-    return min(times)
+    return best_times([fn], reps)[0]
 
 
-def _costs_at(target: Any, drafter: Any, context: int, max_tokens: int, reps: int):
+def best_times(fns: Sequence[Any], rounds: int) -> list[float]:
+    """Best-of-``rounds`` seconds of each of ``fns``, after one warm-up call each, timed in turn
+    within every round: a noisy moment then slows every pass a little instead of one pass
+    a lot, so the ratios between them (which decide K) stay steady."""
+    for fn in fns:
+        fn()  # warm-up: compilation, allocation
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            tic = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - tic)
+    return best
+
+
+def _costs_at(target: Any, drafter: Any, context: int, max_tokens: int, rounds: int):
     """(seconds of a target pass of n = 1..max_tokens tokens, of one drafter pass) over a
     ``context``-token cache."""
     layer_ids = drafter.target_layer_ids
@@ -77,17 +86,18 @@ def _costs_at(target: Any, drafter: Any, context: int, max_tokens: int, reps: in
         mx.eval(drafter.propose(target, anchor, draft_cache, width, max_tokens - 1,
                                 SamplingParams())[0])  # the walk too (DSpark, DFlash 2)
 
-    verify = [best_time(lambda n=n: target_pass(n), reps) for n in _sizes(max_tokens)]
-    return verify, best_time(draft_pass, reps)
+    passes = [lambda n=n: target_pass(n) for n in _sizes(max_tokens)] + [draft_pass]
+    *verify, draft = best_times(passes, rounds)
+    return verify, draft
 
 
 def _sizes(max_tokens: int) -> tuple[int, ...]:
     return tuple(n for n in SIZES if n < max_tokens) + (max_tokens,)
 
 
-def measure_costs(target: Any, drafter: Any, max_tokens: int, reps: int = 2) -> PassCosts:
+def measure_costs(target: Any, drafter: Any, max_tokens: int, reps: int = 5) -> PassCosts:
     """Best-of-``reps`` time of a target pass of 1..max_tokens tokens at each context length,
-    and of one drafter pass."""
+    and of one drafter pass, all timed in turn within each round (``best_times``)."""
     measured = {c: _costs_at(target, drafter, c, max_tokens, reps) for c in CONTEXTS}
     return PassCosts({c: m[0] for c, m in measured.items()}, measured[CONTEXTS[0]][1],
                      CONTEXTS, _sizes(max_tokens))
@@ -97,9 +107,10 @@ def _cache_file(target: Any, drafter: Any, max_tokens: int) -> Path:
     from .default_target import cache_root
     from .train.store import target_fingerprint
 
-    key = json.dumps(["propose", target_fingerprint(target), drafter.args.hidden_size,
-                      drafter.args.num_hidden_layers, drafter.args.draft_vocab_size,
-                      drafter.block_size, type(drafter).__name__,
+    # "interleaved": snapshots timed pass after pass (before best_times) are measured anew.
+    key = json.dumps(["propose", "interleaved", target_fingerprint(target),
+                      drafter.args.hidden_size, drafter.args.num_hidden_layers,
+                      drafter.args.draft_vocab_size, drafter.block_size, type(drafter).__name__,
                       getattr(drafter, "walk_candidates", None), max_tokens, platform.node(),
                       platform.machine(), mx.__version__, str(mx.default_device()),
                       os.environ.get("MLX_DFLASH_FAST_BLAS", "1")], sort_keys=True)

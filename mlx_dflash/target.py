@@ -185,8 +185,18 @@ def _trim_rotating(cache: RotatingKVCache, n: int, pass_tokens: int) -> None:
     keys, values, offset, keep, max_size, idx = cache.state
     if idx != keys.shape[2]:
         raise RuntimeError("rotating cache is not in the layout a multi-token pass leaves")
-    cache.state = (keys[..., : idx - n, :], values[..., : idx - n, :], offset - n, keep,
-                   max_size, idx - n)
+    keys, values = keys[..., : idx - n, :], values[..., : idx - n, :]
+    offset, idx = offset - n, idx - n
+    if idx < max_size <= offset:
+        # A whole pass cut back leaves max_size - 1 keys, all a one-token pass needs, but
+        # mlx-lm's in-place update would try to grow a wrapped buffer: add a free slot after
+        # the kept prefix, where the next write goes (and the next multi-token pass trims).
+        def pad(a: mx.array) -> mx.array:
+            free = mx.zeros((*a.shape[:2], 1, a.shape[3]), dtype=a.dtype)
+            return mx.concatenate([a[..., :keep, :], free, a[..., keep:, :]], axis=2)
+
+        keys, values, idx = pad(keys), pad(values), idx + 1
+    cache.state = (keys, values, offset, keep, max_size, idx)
 
 
 def _only_kv(cache: Sequence[Any]) -> bool:
