@@ -66,9 +66,9 @@ def best_times(fns: Sequence[Any], rounds: int) -> list[float]:
     return best
 
 
-def _costs_at(target: Any, drafter: Any, context: int, max_tokens: int, rounds: int):
-    """(seconds of a target pass of n = 1..max_tokens tokens, of one drafter pass) over a
-    ``context``-token cache."""
+def snapshot_passes(target: Any, drafter: Any, context: int, max_tokens: int) -> list[Any]:
+    """The passes the snapshot times over a ``context``-token cache: a target pass of each of
+    ``_sizes(max_tokens)`` tokens (rolled back whole), then one drafter pass."""
     layer_ids = drafter.target_layer_ids
     cache = target.make_cache()
     _, feats = target.hidden_states(mx.zeros((1, context), dtype=mx.uint32), cache, layer_ids)
@@ -86,8 +86,12 @@ def _costs_at(target: Any, drafter: Any, context: int, max_tokens: int, rounds: 
         mx.eval(drafter.propose(target, anchor, draft_cache, width, max_tokens - 1,
                                 SamplingParams())[0])  # the walk too (DSpark, DFlash 2)
 
-    passes = [lambda n=n: target_pass(n) for n in _sizes(max_tokens)] + [draft_pass]
-    *verify, draft = best_times(passes, rounds)
+    return [lambda n=n: target_pass(n) for n in _sizes(max_tokens)] + [draft_pass]
+
+
+def _costs_at(target: Any, drafter: Any, context: int, max_tokens: int, rounds: int):
+    """(seconds of a target pass of each size, of one drafter pass) at ``context``."""
+    *verify, draft = best_times(snapshot_passes(target, drafter, context, max_tokens), rounds)
     return verify, draft
 
 

@@ -11,37 +11,13 @@ import json
 import platform
 
 import mlx_dflash  # noqa: F401  (fast BLAS first)
-import mlx.core as mx
 import numpy as np
 
 from mlx_dflash.decode import as_target
 from mlx_dflash.default import load_default
-from mlx_dflash.schedule import _sizes, best_time, best_times
+from mlx_dflash.schedule import _sizes, best_time, best_times, snapshot_passes
 
 CONTEXT = 128
-
-
-def passes(target, drafter, max_tokens: int):
-    """The snapshot's passes at one context: target passes of each size, then one draft."""
-    from mlx_dflash.accept import SamplingParams
-
-    layer_ids = drafter.target_layer_ids
-    cache = target.make_cache()
-    _, feats = target.hidden_states(mx.zeros((1, CONTEXT), dtype=mx.uint32), cache, layer_ids)
-    draft_cache = drafter.make_cache()
-    drafter.commit(feats, draft_cache)
-    mx.eval([c.state for c in cache + draft_cache])
-
-    def target_pass(n: int) -> None:
-        mx.eval(target.forward(mx.ones((1, n), dtype=mx.uint32), cache, layer_ids))
-        target.rollback(cache, n)
-
-    def draft_pass() -> None:
-        width = max(max_tokens, drafter.block_size)
-        mx.eval(drafter.propose(target, mx.zeros((1,), dtype=mx.uint32), draft_cache, width,
-                                max_tokens - 1, SamplingParams())[0])
-
-    return [lambda n=n: target_pass(n) for n in _sizes(max_tokens)] + [draft_pass]
 
 
 def ratios(times: list[float], sizes: tuple[int, ...]) -> dict:
@@ -59,7 +35,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     model, drafter, _ = load_default(progress=False)
-    fns = passes(as_target(model), drafter, args.block_size)
+    fns = snapshot_passes(as_target(model), drafter, CONTEXT, args.block_size)
     sizes = _sizes(args.block_size)
     methods = {
         "one after another, best of 2": lambda: [best_time(f, 2) for f in fns],
