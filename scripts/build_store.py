@@ -3,8 +3,7 @@
 The order the stores of sessions 5-13 used: each file from a starting fraction onward (so a
 new store can cover rows an earlier, lost one never reached), then its rows before it,
 4 math : 3 chat : 2 code (stdlib docstring prompts), so that a store stopped early still
-holds every domain. Rerun
-the same command to continue; the store skips the ids it holds.
+holds every domain. Rerun the same command to continue; the store skips the ids it holds.
 
 Usage: python scripts/build_store.py STORE [--start 0.5] [--workers 2] [--drafter NAME]
 Eval files are never read. Taps: the drafter's (default: the shipped one), so its lineage
@@ -28,8 +27,8 @@ RATIO = (("math", 4), ("chat", 3), ("code", 2))
 def interleaved(sources: dict[str, list[dict]], start: float) -> list[dict]:
     """Rows of every source from ``start`` (a fraction) to its end, then from its beginning,
     taken RATIO at a time."""
-    rest = {k: iter(v[int(start * len(v)):] + v[:int(start * len(v))])
-            for k, v in sources.items()}
+    cut = {k: int(start * len(v)) for k, v in sources.items()}
+    rest = {k: iter(v[cut[k]:] + v[:cut[k]]) for k, v in sources.items()}
     rows: list[dict] = []
     while True:
         before = len(rows)
