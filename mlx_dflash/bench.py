@@ -13,7 +13,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from .accept import SamplingParams
 from .decode import as_target, stream_generate
 from .train.data import read_prompts
 
@@ -35,31 +34,9 @@ def measure_pass_costs(
 ) -> dict:
     """Best-of-``reps`` seconds for a 1-token and a B-token target pass (and, with a drafter, one
     drafter pass as stream_generate runs it) over a ``context``-token cache, and their ratio."""
-    target = as_target(model)
-    layer_ids = drafter.target_layer_ids if drafter is not None else ()
-    cache = target.make_cache()
-    _, features = target.hidden_states(mx.zeros((1, context), dtype=mx.uint32), cache, layer_ids)
-    draft_cache = None
-    if drafter is not None:
-        draft_cache = drafter.make_cache()
-        drafter.commit(features, draft_cache)
-    mx.eval([c.state for c in cache + (draft_cache or [])])
+    from .schedule import best_times, snapshot_passes
 
-    def target_pass(n: int) -> None:
-        mx.eval(target.forward(mx.ones((1, n), dtype=mx.uint32), cache, layer_ids))
-        target.rollback(cache, n)
-
-    def draft_pass() -> None:
-        width = max(block_size, drafter.block_size)  # as stream_generate drafts
-        anchor = mx.zeros((1,), dtype=mx.uint32)
-        mx.eval(drafter.propose(target, anchor, draft_cache, width, block_size - 1,
-                                SamplingParams())[0])  # the walk too (DSpark, DFlash 2)
-
-    from .schedule import best_times
-
-    passes = [lambda: target_pass(1), lambda: target_pass(block_size)]
-    if drafter is not None:
-        passes.append(draft_pass)
+    passes = snapshot_passes(as_target(model), drafter, context, block_size, (1, block_size))
     one, block, *draft = best_times(passes, reps)  # in turn, as the scheduler's snapshot
     costs = {"decode_s": one, "verify_s": block, "ratio": block / one}
     if draft:

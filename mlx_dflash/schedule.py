@@ -66,14 +66,18 @@ def best_times(fns: Sequence[Any], rounds: int) -> list[float]:
     return best
 
 
-def snapshot_passes(target: Any, drafter: Any, context: int, max_tokens: int) -> list[Any]:
+def snapshot_passes(target: Any, drafter: Any, context: int, max_tokens: int,
+                    sizes: tuple[int, ...] | None = None) -> list[Any]:
     """The passes the snapshot times over a ``context``-token cache: a target pass of each of
-    ``_sizes(max_tokens)`` tokens (rolled back whole), then one drafter pass."""
-    layer_ids = drafter.target_layer_ids
+    ``sizes`` tokens (default ``_sizes(max_tokens)``; rolled back whole), then one drafter pass
+    drafting ``max_tokens - 1`` tokens (none when ``drafter`` is None)."""
+    layer_ids = drafter.target_layer_ids if drafter is not None else ()
     cache = target.make_cache()
     _, feats = target.hidden_states(mx.zeros((1, context), dtype=mx.uint32), cache, layer_ids)
-    draft_cache = drafter.make_cache()
-    drafter.commit(feats, draft_cache)
+    draft_cache = []
+    if drafter is not None:
+        draft_cache = drafter.make_cache()
+        drafter.commit(feats, draft_cache)
     mx.eval([c.state for c in cache + draft_cache])
 
     def target_pass(n: int) -> None:
@@ -82,11 +86,12 @@ def snapshot_passes(target: Any, drafter: Any, context: int, max_tokens: int) ->
 
     def draft_pass() -> None:
         anchor = mx.zeros((1,), dtype=mx.uint32)
-        width = max(max_tokens, drafter.block_size)
+        width = max(max_tokens, drafter.block_size)  # as stream_generate drafts
         mx.eval(drafter.propose(target, anchor, draft_cache, width, max_tokens - 1,
                                 SamplingParams())[0])  # the walk too (DSpark, DFlash 2)
 
-    return [lambda n=n: target_pass(n) for n in _sizes(max_tokens)] + [draft_pass]
+    passes = [lambda n=n: target_pass(n) for n in (sizes or _sizes(max_tokens))]
+    return passes + ([draft_pass] if drafter is not None else [])
 
 
 def _costs_at(target: Any, drafter: Any, context: int, max_tokens: int, rounds: int):

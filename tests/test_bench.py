@@ -4,7 +4,7 @@ import json
 
 from tiny import make_drafter, make_target, make_tokenizer
 
-from mlx_dflash.bench import format_table, load_prompt_sets, run_bench
+from mlx_dflash.bench import format_table, load_prompt_sets, measure_pass_costs, run_bench
 
 
 def test_bench_on_tiny_pair(tmp_path):
@@ -29,3 +29,12 @@ def test_bench_on_tiny_pair(tmp_path):
         assert len(s["acceptance_by_position"]) == width - 1
     table = format_table(results)
     assert "| B=4 |" in table and "| B=4+copy |" in table and "| auto |" in table
+
+
+def test_pass_costs_with_and_without_drafter():
+    model = make_target("qwen3", vocab_size=96)
+    plain = measure_pass_costs(model, 4, context=16, reps=1)
+    assert set(plain) == {"decode_s", "verify_s", "ratio"}
+    costs = measure_pass_costs(model, 4, make_drafter(model, block_size=4), context=16, reps=1)
+    assert set(costs) == {"decode_s", "verify_s", "ratio", "draft_s"}
+    assert all(v > 0 for v in costs.values())
