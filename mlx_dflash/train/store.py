@@ -22,6 +22,9 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -330,7 +333,6 @@ def build_store_parallel(
     target two single-threaded processes generate ~1.5x the tokens of one two-threaded one.
     """
     import subprocess
-    import sys
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -340,12 +342,32 @@ def build_store_parallel(
                                "options": options}))
     os.replace(tmp, job)
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "mlx_dflash.train.store", str(job),
-                               str(w), str(workers)], env=env) for w in range(workers)]
-    codes = [p.wait() for p in procs]
+    # SIGTERM to this process (kill, pkill) stops the workers too instead of orphaning them.
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main else None
+    procs = []
+    try:
+        procs = [subprocess.Popen(_worker_command(job, w, workers), env=env)
+                 for w in range(workers)]
+        codes = [p.wait() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait()
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
     if any(codes):
         raise RuntimeError(f"feature store workers failed (exit codes {codes}); rerun to resume")
     return out
+
+
+def _worker_command(job: Path, worker: int, workers: int) -> list[str]:
+    return [sys.executable, "-m", "mlx_dflash.train.store", str(job), str(worker), str(workers)]
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _worker_main(argv: list[str]) -> None:
@@ -358,6 +380,4 @@ def _worker_main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":  # one worker of build_store_parallel
-    import sys
-
     _worker_main(sys.argv[1:])
