@@ -5,7 +5,7 @@ from ._blas import load_fast_blas
 load_fast_blas()  # must run before the first `import mlx` in the process
 
 from .decode import GenerationResponse, GenerationStats, generate, stream_generate  # noqa: E402
-from .default import load_default  # noqa: E402
+from .default_pair import load_default  # noqa: E402
 from .drafters import DrafterMismatchError, load_drafter, save_drafter  # noqa: E402
 from .target import Target  # noqa: E402
 

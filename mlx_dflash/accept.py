@@ -135,3 +135,16 @@ def rejection_accept(
         accepted, token = verify_sample(logits[None], drafts[None], draft_probs[None], uniforms,
                                         temperature, top_k)
     return accepted[0], mx.broadcast_to(token, (K + 1,))
+
+
+def accept_block(
+    drafts: mx.array, draft_probs: mx.array | CandidateProposal | None, target_logits: mx.array,
+    params: SamplingParams,
+) -> tuple[mx.array, mx.array]:
+    """The acceptance rule for one verified block: greedy prefix match, rejection sampling when
+    sampling, or (no drafts) a plain sample. Returns (accepted_len [], next_tokens [K+1])."""
+    if params.greedy:
+        return greedy_accept(drafts, target_logits)
+    if drafts.shape[0] > 0:
+        return rejection_accept(drafts, draft_probs, target_logits, params)
+    return mx.array(0), sample_first(target_logits[-1], params)

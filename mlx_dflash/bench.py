@@ -13,8 +13,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from .decode import as_target, stream_generate
-from .train.data import read_prompts
+from .decode import stream_generate
+from .prompts import read_prompts
+from .target import as_target
 
 
 def load_prompt_sets(files: list[str], limit: int | None) -> dict[str, list[str]]:
@@ -108,7 +109,7 @@ def run_bench(
         variants.update({f"{B}+copy": (B, {"block_size": B, "copy_drafts": True})
                          for B in block_sizes})
     if auto:
-        variants["auto"] = (getattr(drafter, "max_drafts", drafter.block_size - 1) + 1, {})
+        variants["auto"] = (drafter.max_drafts + 1, {})
     total = sum(len(p) for p in prompt_sets.values()) * (1 + len(variants))
     bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
     for domain, prompts in prompt_sets.items():

@@ -25,6 +25,10 @@ import mlx.core as mx
 import numpy as np
 
 from .accept import SamplingParams
+from .drafters.base import Drafter
+from .fingerprint import target_fingerprint
+from .paths import cache_root
+from .target import Target
 
 CONTEXTS = (128, 1024)  # verify cost is measured at these context lengths, interpolated
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # ... and at these token counts
@@ -66,7 +70,7 @@ def best_times(fns: Sequence[Any], rounds: int) -> list[float]:
     return best
 
 
-def snapshot_passes(target: Any, drafter: Any, context: int, max_tokens: int,
+def snapshot_passes(target: Target, drafter: Drafter | None, context: int, max_tokens: int,
                     sizes: tuple[int, ...] | None = None) -> list[Any]:
     """The passes the snapshot times over a ``context``-token cache: a target pass of each of
     ``sizes`` tokens (default ``_sizes(max_tokens)``; rolled back whole), then one drafter pass
@@ -86,15 +90,15 @@ def snapshot_passes(target: Any, drafter: Any, context: int, max_tokens: int,
 
     def draft_pass() -> None:
         anchor = mx.zeros((1,), dtype=mx.uint32)
-        width = max(max_tokens, drafter.block_size)  # as stream_generate drafts
-        mx.eval(drafter.propose(target, anchor, draft_cache, width, max_tokens - 1,
-                                SamplingParams())[0])  # the walk too (DSpark, DFlash 2)
+        proposal = drafter.propose(target, anchor, draft_cache, max_tokens, max_tokens - 1,
+                                   SamplingParams())
+        mx.eval(proposal.drafts)  # the walk too (DSpark, DFlash 2)
 
     passes = [lambda n=n: target_pass(n) for n in (sizes or _sizes(max_tokens))]
     return passes + ([draft_pass] if drafter is not None else [])
 
 
-def _costs_at(target: Any, drafter: Any, context: int, max_tokens: int, rounds: int):
+def _costs_at(target: Target, drafter: Drafter | None, context: int, max_tokens: int, rounds: int):
     """(seconds of a target pass of each size, of one drafter pass) at ``context``."""
     *verify, draft = best_times(snapshot_passes(target, drafter, context, max_tokens), rounds)
     return verify, draft
@@ -104,7 +108,7 @@ def _sizes(max_tokens: int) -> tuple[int, ...]:
     return tuple(n for n in SIZES if n < max_tokens) + (max_tokens,)
 
 
-def measure_costs(target: Any, drafter: Any, max_tokens: int, reps: int = 5) -> PassCosts:
+def measure_costs(target: Target, drafter: Drafter, max_tokens: int, reps: int = 5) -> PassCosts:
     """Best-of-``reps`` time of a target pass of 1..max_tokens tokens at each context length,
     and of one drafter pass, all timed in turn within each round (``best_times``)."""
     measured = {c: _costs_at(target, drafter, c, max_tokens, reps) for c in CONTEXTS}
@@ -112,22 +116,17 @@ def measure_costs(target: Any, drafter: Any, max_tokens: int, reps: int = 5) -> 
                      CONTEXTS, _sizes(max_tokens))
 
 
-def _cache_file(target: Any, drafter: Any, max_tokens: int) -> Path:
-    from .default_target import cache_root
-    from .train.store import target_fingerprint
-
+def _cache_file(target: Target, drafter: Drafter, max_tokens: int) -> Path:
     # "interleaved": snapshots timed pass after pass (before best_times) are measured anew.
     key = json.dumps(["propose", "interleaved", target_fingerprint(target),
-                      drafter.args.hidden_size, drafter.args.num_hidden_layers,
-                      drafter.args.draft_vocab_size, drafter.block_size, type(drafter).__name__,
-                      getattr(drafter, "walk_candidates", None), max_tokens, platform.node(),
+                      *drafter.pass_key(), max_tokens, platform.node(),
                       platform.machine(), mx.__version__, str(mx.default_device()),
                       os.environ.get("MLX_DFLASH_FAST_BLAS", "1")], sort_keys=True)
     name = hashlib.sha256(key.encode()).hexdigest()[:20]
     return cache_root() / "costs" / f"{name}.json"
 
 
-def cached_costs(target: Any, drafter: Any, max_tokens: int) -> PassCosts:
+def cached_costs(target: Target, drafter: Drafter, max_tokens: int) -> PassCosts:
     """The pass costs for this model pair and machine, measured on first use (a few seconds)."""
     path = _cache_file(target, drafter, max_tokens)
     try:
@@ -158,7 +157,7 @@ def memory_headroom() -> int:
     return limit - int(mx.get_active_memory())
 
 
-def bytes_per_verified_token(target: Any) -> int:
+def bytes_per_verified_token(target: Target) -> int:
     """Working memory one more verified token needs: its logits, its activations through a
     layer, and its K/V in every layer (float32 upper bound)."""
     args = target.model.args

@@ -23,15 +23,19 @@ Rollback after a partial accept is exact for every cache kind the table uses:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import (
     ArraysCache,
+    KVCache,
     RotatingKVCache,
+    can_trim_prompt_cache,
     make_prompt_cache,
     trim_prompt_cache,
 )
@@ -172,6 +176,41 @@ class TargetCache(list):
         if self.last_pass is None or not self.last_pass.recurrent:
             return 0
         return sum(r.nbytes for r in self.last_pass.recurrent)
+
+
+def fork_layer_cache(c: Any) -> Any:
+    """A layer cache with the same contents whose writes never reach ``c``: new array objects
+    over the same values (MLX copies a buffer on the first write when it is shared)."""
+    if type(c) is KVCache:
+        new = KVCache()
+        if c.keys is not None:  # only the filled part: a later write copies no stale slots
+            new.keys, new.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+        new.offset = c.offset
+        return new
+    if isinstance(c, ArraysCache):  # recurrent layers replace their arrays, never write into them
+        new = ArraysCache(len(c.cache))
+        new.cache, new.left_padding, new.lengths = list(c.cache), c.left_padding, c.lengths
+        return new
+    return type(c).from_state(tree_map(lambda x: x[...] if isinstance(x, mx.array) else x,
+                                       c.state))
+
+
+def can_cut_back(layers: Sequence[Any]) -> bool:
+    """Whether every layer cache can be cut back to any shorter prefix, exactly (plain KV, or a
+    sliding window that has not wrapped yet; never a recurrent state)."""
+    return can_trim_prompt_cache(list(layers)) and all(
+        not isinstance(c, ArraysCache) for c in layers)
+
+
+def positions_held(c: Any) -> int | None:
+    """Positions a layer cache holds, or None for a recurrent state (it does not count)."""
+    return None if isinstance(c, ArraysCache) else c.offset
+
+
+def cut_back(layers: Sequence[Any], n: int) -> None:
+    """Cut every layer back to its first ``n`` positions (check ``can_cut_back`` first)."""
+    for c in layers:
+        c.trim(c.offset - n)
 
 
 def _trim_rotating(cache: RotatingKVCache, n: int, pass_tokens: int) -> None:
@@ -431,3 +470,22 @@ class Target:
                     f"model type '{self.model_type}': the feature-tapping forward does not "
                     "reproduce model(x) exactly; this architecture is not supported yet"
                 )
+
+
+_checked: dict[int, weakref.ref] = {}  # models whose tapped forward was checked once
+
+
+def as_target(model: Any) -> Target:
+    """The Target wrapper for an mlx-lm model; the forward check runs once per model object.
+
+    Only weak references are kept, so a model that is dropped is freed.
+    """
+    if isinstance(model, Target):
+        return model
+    ref = _checked.get(id(model))
+    if ref is not None and ref() is model:
+        return Target(model, check=False)
+    target = Target(model)
+    key = id(model)
+    _checked[key] = weakref.ref(model, lambda _, key=key: _checked.pop(key, None))
+    return target

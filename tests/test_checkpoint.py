@@ -157,7 +157,7 @@ def test_verify_block_size_default_round_trips(tmp_path):
 
 
 def test_shipped_drafters_load_by_name():
-    from mlx_dflash.default import shipped_drafters
+    from mlx_dflash.drafters.shipped import shipped_drafters
 
     names = shipped_drafters()
     assert {"smollm2-135m-dspark-b7", "smollm2-135m-dflash-b16",

@@ -368,11 +368,11 @@ def test_atomic_output_dir(tmp_path):
 def test_default_target_is_converted_once_into_the_cache(tmp_path, f32_gguf, monkeypatch):
     """The offline default: a GGUF (here a tiny one via the env override) converted once, cached."""
     import mlx_dflash.convert.gguf as gguf_module
-    from mlx_dflash import default_target
+    from mlx_dflash import default_pair
 
     monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("MLX_DFLASH_SMOLLM2_GGUF", str(f32_gguf))
-    path = default_target.ensure_default_target(progress=False)
+    path = default_pair.ensure_default_target(progress=False)
     assert path == tmp_path / "home" / "targets" / "smollm2-135m-instruct-f32"
     assert (path / "config.json").exists() and (path / "tokenizer.json").exists()
 
@@ -380,4 +380,4 @@ def test_default_target_is_converted_once_into_the_cache(tmp_path, f32_gguf, mon
         raise AssertionError("converted twice")
 
     monkeypatch.setattr(gguf_module, "convert_gguf", no_second_conversion)
-    assert default_target.ensure_default_target(progress=False) == path
+    assert default_pair.ensure_default_target(progress=False) == path

@@ -66,8 +66,8 @@ def test_untrained_dflash2_proposes_what_dflash_proposes():
         dflash.commit(feats[:, :n], c1)
         dflash2.commit(feats[:, :n], c2)
         anchor = tokens[0, n : n + 1].astype(mx.uint32)
-        d1, _ = dflash.propose(target, anchor, c1, 6, 5, SamplingParams())
-        d2, _ = dflash2.propose(target, anchor, c2, 6, 5, SamplingParams())
+        d1 = dflash.propose(target, anchor, c1, 6, 5, SamplingParams()).drafts
+        d2 = dflash2.propose(target, anchor, c2, 6, 5, SamplingParams()).drafts
         assert d1.tolist() == d2.tolist()
     tok = make_tokenizer(128)
     runs = [[r.accepted for r in stream_generate(model, d, tok, [9, 10, 11], max_tokens=30,
@@ -97,8 +97,8 @@ def test_greedy_dflash2_is_lossless_and_walk_matches_the_scores(reduced):
     _, feats = target.hidden_states(tokens, None, drafter.target_layer_ids)
     cache = drafter.make_cache()
     drafter.commit(feats[:, :6], cache)
-    drafts, _ = drafter.propose(target, mx.array([11], dtype=mx.uint32), cache, 8, 7,
-                                SamplingParams())
+    drafts = drafter.propose(target, mx.array([11], dtype=mx.uint32), cache, 8, 7,
+                             SamplingParams()).drafts
     block = mx.array([[11] + [drafter.mask_token_id] * 7])
     prev = mx.concatenate([mx.array([11]), drafts[:-1]])[None]
     _, (scores, cand) = drafter.train_logits(target, feats[:, :6], block, mx.array([6]), prev)

@@ -34,9 +34,10 @@ def test_greedy_with_reduced_vocab_is_lossless(quantized):
     cache = drafter.make_cache()
     _, feats = target.hidden_states(mx.array([[5, 6, 7]]), None, drafter.target_layer_ids)
     drafter.commit(feats, cache)
-    drafts, probs = drafter.propose(target, mx.array([7], dtype=mx.uint32), cache, 8, 7,
-                                    SamplingParams())
-    assert probs is None and set(drafts.tolist()) <= set(ids)
+    proposal = drafter.propose(target, mx.array([7], dtype=mx.uint32), cache, 8, 7,
+                               SamplingParams())
+    drafts = proposal.drafts
+    assert proposal.probs is None and set(drafts.tolist()) <= set(ids)
     tok = make_tokenizer(128)
     for prompt in ([4], [9, 10, 11, 12, 13], list(range(3, 60))):
         want, _ = reference(model, prompt, 24)

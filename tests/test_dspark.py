@@ -52,9 +52,10 @@ def test_greedy_dspark_is_lossless_and_walk_matches_training(kind, reduced, cand
     _, feats = target.hidden_states(tokens, None, drafter.target_layer_ids)
     cache = drafter.make_cache()
     drafter.commit(feats[:, :6], cache)
-    drafts, _ = drafter.propose(target, mx.array([11], dtype=mx.uint32), cache, 5, 5,
-                                SamplingParams())
-    assert drafter.last_confidence.shape == (5,)
+    proposal = drafter.propose(target, mx.array([11], dtype=mx.uint32), cache, 5, 5,
+                               SamplingParams())
+    drafts = proposal.drafts
+    assert proposal.confidence.shape == (5,)
     block = mx.array([[11] + [drafter.mask_token_id] * 4])
     prev = mx.concatenate([mx.array([11]), drafts[:-1]])[None]
     logits, conf = drafter.train_logits(target, feats[:, :6], block, mx.array([6]), prev,
@@ -62,7 +63,7 @@ def test_greedy_dspark_is_lossless_and_walk_matches_training(kind, reduced, cand
     idx = mx.argmax(logits[0], axis=-1)
     mapped = drafter.vocab_ids[idx] if reduced else idx
     assert mapped.tolist() == drafts.tolist()
-    assert mx.allclose(mx.sigmoid(conf[0]), drafter.last_confidence, atol=1e-5)
+    assert mx.allclose(mx.sigmoid(conf[0]), proposal.confidence, atol=1e-5)
 
 
 @pytest.mark.parametrize("candidates,reduced", [(0, False), (2, False), (3, True)])

@@ -8,6 +8,7 @@ from tiny import EOS_ID, make_drafter, make_target, make_tokenizer
 
 from mlx_dflash import stream_generate
 from mlx_dflash.accept import proposal_from_logits
+from mlx_dflash.drafters.base import Proposal
 
 
 def reference(model, prompt, max_tokens, stop_ids=(EOS_ID,)):
@@ -48,10 +49,16 @@ class OracleDrafter:
     """Wraps a real DFlash drafter (so its cache/commit path runs) but proposes the target's
     true continuation, corrupted at random positions, to exercise every acceptance length."""
 
+    fixed_width = False
+    vocab_ids = None
+    ngram = None
+    source_path = None
+
     def __init__(self, drafter, full_sequence, vocab_size, error_rate, seed=0):
         self.inner = drafter
         self.args = drafter.args
         self.block_size = drafter.block_size
+        self.max_drafts = drafter.max_drafts
         self.target_layer_ids = drafter.target_layer_ids
         self.full = full_sequence
         self.vocab = vocab_size
@@ -77,9 +84,12 @@ class OracleDrafter:
         onehot[mx.arange(block_size - 1), mx.array(want)] = 100.0
         return onehot[:K] + 0 * real
 
-    def propose(self, target, anchor, cache, block_size, num_drafts, params):
-        logits = self.draft_logits(target, anchor, cache, block_size, num_drafts)
-        return proposal_from_logits(logits, params, None, target.vocab_size)
+    def pass_key(self):
+        return ("oracle",)
+
+    def propose(self, target, anchor, cache, width, num_drafts, params):
+        logits = self.draft_logits(target, anchor, cache, max(width, self.block_size), num_drafts)
+        return Proposal(*proposal_from_logits(logits, params, None, target.vocab_size))
 
 
 CONFIGS = [

@@ -101,7 +101,7 @@ def test_sampled_distribution_matches_target(temperature, top_p, top_k):
     from mlx_dflash.target import Target
 
     target = Target(model)
-    from mlx_dflash.decode import prefill
+    from mlx_dflash.cycle import prefill
 
     cache, dcache = target.make_cache(), drafter.make_cache()
     prefill(target, PROMPT, cache, drafter, dcache)

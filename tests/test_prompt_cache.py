@@ -13,15 +13,10 @@ import numpy as np
 import pytest
 from tiny import make_drafter, make_family_target, make_target, make_tokenizer
 
-from mlx_dflash.decode import stream_generate
-from mlx_dflash.prompt_cache import (
-    DiskCache,
-    PairCache,
-    PrefixCache,
-    fingerprint,
-    stream_generate_cached,
-    usable_prefix,
-)
+from mlx_dflash.decode import stream_generate, stream_generate_cached
+from mlx_dflash.fingerprint import pair_fingerprint as fingerprint
+from mlx_dflash.pair_cache import PairCache
+from mlx_dflash.prefix_cache import DiskCache, PrefixCache, usable_prefix
 from mlx_dflash.target import Target
 
 V = 96

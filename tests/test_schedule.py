@@ -7,8 +7,9 @@ from test_lossless_greedy import OracleDrafter, reference
 from test_lossless_sampling import N_SAMPLES, PROMPT, V, chi_square, exact_joint
 from tiny import make_drafter, make_target, make_tokenizer
 
-import mlx_dflash.decode as decode
+import mlx_dflash.policy as policy
 from mlx_dflash import stream_generate
+from mlx_dflash.accept import SamplingParams
 from mlx_dflash.schedule import PassCosts, Scheduler, measure_costs
 
 # Verify grows mildly with the block; drafting costs a fifth of a decode.
@@ -51,7 +52,7 @@ def test_measured_costs_have_one_entry_per_block():
 def forced(monkeypatch):
     """Auto mode with fixed costs and a settable memory headroom."""
     room = {"bytes": 1 << 40}
-    monkeypatch.setattr(decode, "cached_costs", lambda *a: COSTS)
+    monkeypatch.setattr(policy, "cached_costs", lambda *a: COSTS)
     monkeypatch.setattr("mlx_dflash.schedule.memory_headroom", lambda: room["bytes"])
     return room
 
@@ -99,7 +100,7 @@ def test_sampled_output_is_exact_whatever_block_the_scheduler_picks(monkeypatch,
                         lambda self, room, context: int(rng.integers(0, room + 1)))
     model = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)
     drafter = make_drafter(model, block_size=4, layer_ids=(0, 1), mask_token_id=2, seed=7)
-    joint, _ = exact_joint(model, decode.SamplingParams(1.0))
+    joint, _ = exact_joint(model, SamplingParams(1.0))
     mx.random.seed(5)
     counts, lengths = np.zeros((V, V, V)), set()
     for _ in range(N_SAMPLES):

@@ -22,7 +22,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from tiny import EOS_ID, make_drafter, make_target, make_tokenizer
 
 from mlx_dflash import generate, save_drafter
-from mlx_dflash.decode import GenerationResponse, GenerationStats, encode_prompt
+from mlx_dflash.decode import GenerationResponse, GenerationStats
+from mlx_dflash.prompts import encode_prompt
 from mlx_dflash.server import BackgroundServer, create_app
 from mlx_dflash.server import worker as worker_mod
 from mlx_dflash.server.models import ModelPool, ServedModel

@@ -227,13 +227,13 @@ def test_rollback_beyond_the_last_pass_is_refused():
 def test_scheduler_cycles_on_every_cache_kind(monkeypatch, model_type):
     """Auto mode: the timing passes roll back whole passes over wrapped windows and recurrent
     states; pipelined plain cycles then drafting cycles stay lossless."""
-    from mlx_dflash import decode
+    from mlx_dflash import policy
     from mlx_dflash.schedule import Scheduler, measure_costs
 
     model = make_family_target(model_type)
     drafter = drafter_for(model, 8)
     costs = measure_costs(Target(model), drafter, 8, reps=1)
-    monkeypatch.setattr(decode, "cached_costs", lambda *a: costs)
+    monkeypatch.setattr(policy, "cached_costs", lambda *a: costs)
     pattern = iter([0, 0, 3, 0, 2, 0, 0, 0, 4, 7] * 20)
     monkeypatch.setattr(Scheduler, "choose", lambda self, room, context: min(room, next(pattern)))
     prompt = [5, 6, 7, 8, 9, 10, 11]
@@ -343,7 +343,7 @@ def test_greedy_matches_mlx_lm_8bit(model_type):
 
 
 def test_greedy_per_position_rollback():
-    from mlx_dflash import decode
+    from mlx_dflash.target import as_target
 
     model = make_family_target("qwen3_5")
     tok = make_tokenizer(128)
@@ -354,7 +354,7 @@ def test_greedy_per_position_rollback():
     oracle = OracleDrafter(drafter, prompt + want, 128, 0.3)
     got, _, _ = speculative(target, oracle, tok, prompt, 24, 4)
     assert_same_or_near_tie(model, prompt, got, want)
-    assert decode.as_target(target) is target
+    assert as_target(target) is target
 
 
 # -- sampled: in distribution ------------------------------------------------------------------

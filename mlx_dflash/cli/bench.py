@@ -31,7 +31,7 @@ def bench(
 ) -> None:
     """Compare plain greedy decoding with DFlash at several block sizes (runs interleaved)."""
     from ..bench import format_table, load_prompt_sets, run_bench
-    from ..default import resolve_drafter
+    from ..drafters.shipped import resolve_drafter
 
     for f in prompts:
         if not f.exists():
@@ -45,7 +45,7 @@ def bench(
         fail("bench needs a drafter (--drafter)")
     results = run_bench(target, draft, tokenizer, sets, list(block_size), max_tokens,
                         copy_drafts=copy, auto=auto)
-    results["settings"]["drafter"] = str(getattr(draft, "source_path", drafter))
+    results["settings"]["drafter"] = str(draft.source_path or drafter)
     results["settings"]["model"] = model or "default (SmolLM2-135M-Instruct, float32)"
     typer.echo(format_table(results))
     if json_out:

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from ..decode import COPY_DRAFTS
+from ..policy import COPY_DRAFTS
 from .app import app, fail
 from .common import PrefillProgress, load_pair
 
@@ -90,18 +90,19 @@ def chat(
         fail("--top-p must be in (0, 1]")
     import mlx.core as mx
 
-    from ..decode import block_width
-    from ..prompt_cache import PrefixCache, stream_generate_cached
+    from ..decode import stream_generate_cached
+    from ..drafters.base import verify_width
+    from ..prefix_cache import PrefixCache
 
     tic = time.perf_counter()
     target, draft, tokenizer = load_pair(model, drafter)
     if not getattr(tokenizer, "has_chat_template", False):
         fail(f"the tokenizer of {model or 'the default model'} has no chat template; "
              "use `mlx-dflash generate --no-chat-template` for plain text completion")
-    B = block_width(draft, block_size)
+    B = verify_width(draft, block_size)
     costs = None
     if draft is not None and B > 1:
-        from ..decode import as_target
+        from ..target import as_target
         from ..schedule import cached_costs
 
         costs = cached_costs(as_target(target), draft, B)

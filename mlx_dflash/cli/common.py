@@ -41,11 +41,11 @@ def load_pair(model: str | None, drafter: str | None, block_size: int | None = N
 
     try:
         if model is None and drafter is None:
-            from ..default import load_default
+            from ..default_pair import load_default
 
             return load_default(progress=True)
         if model is None:  # the default target with another drafter
-            from ..default_target import ensure_default_target
+            from ..default_pair import ensure_default_target
 
             model = str(ensure_default_target())
         print(f"Loading target {model} ...", file=sys.stderr)

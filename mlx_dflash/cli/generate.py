@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..decode import COPY_DRAFTS
+from ..policy import COPY_DRAFTS
 from .app import app, fail
 from .common import PrefillProgress, chat_prompt, load_pair
 

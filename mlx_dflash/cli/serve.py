@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from ..decode import COPY_DRAFTS
+from ..policy import COPY_DRAFTS
 from .app import app, fail
 from .common import load_pair, parse_size
 
@@ -93,7 +93,7 @@ def serve(
         from ..server.models import CacheSettings, lazy_model
     except ModuleNotFoundError as e:
         fail(f"{e.name} is needed for serving: pip install fastapi uvicorn")
-    from ..default_target import DEFAULT_TARGET_NAME
+    from ..default_pair import DEFAULT_TARGET_NAME
 
     budget = _size("--model-memory", model_memory)
     cache = CacheSettings(_size("--cache-memory", cache_memory), cache_dir,

@@ -71,7 +71,7 @@ def train(
     """Train a DFlash drafter for a target (generation and training both resume)."""
     from mlx_lm import load
 
-    from ..default import resolve_drafter
+    from ..drafters.shipped import resolve_drafter
     from ..target import Target
     from ..train.data import read_prompts, stdlib_code_prompts
     from ..train.loop import TrainConfig
@@ -83,7 +83,7 @@ def train(
         if not f.exists():
             fail(f"prompt file not found: {f}")
     if model is None:
-        from ..default_target import ensure_default_target
+        from ..default_pair import ensure_default_target
 
         model = str(ensure_default_target())
     target, tokenizer = load(model)

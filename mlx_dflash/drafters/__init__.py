@@ -17,6 +17,7 @@ from .dflash import DFlashDraftModel
 from .dflash2 import DFlash2DraftModel
 from .dspark import DSparkDraftModel
 from .layers import DraftArgs
+from .shipped import drafter_dir, shipped_drafters
 
 # DeepSpec writes Qwen3DSparkModel (fields at the top level); SpecForge-style exports write
 # DSparkDraftModel with the fields in dflash_config. DraftArgs.from_config reads both.
@@ -32,8 +33,6 @@ class DrafterMismatchError(ValueError):
 def resolve_path(path_or_hf_repo: str | Path) -> Path:
     """A local directory, the name of a drafter shipped in the package, or a Hugging Face Hub
     repo id fetched with huggingface-hub."""
-    from ..default import drafter_dir, shipped_drafters
-
     path = Path(path_or_hf_repo).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -133,7 +132,6 @@ def load_drafter(
     mx.eval(drafter.parameters())
     drafter.eval()
     drafter.source_path = path
-    drafter.ngram = None  # lookup drafts from the target's own text, where the drafter has them
     if (path / NGRAM_FILE).exists():
         drafter.ngram = NgramTable.load(path / NGRAM_FILE)
         drafter.ngram.check_vocab(drafter.args.vocab_size, str(path))
@@ -167,7 +165,7 @@ def check_fits(drafter: DFlashDraftModel, model: Any) -> None:
         raise DrafterMismatchError(
             f"drafter vocab_size {a.vocab_size} does not match the target's {target.vocab_size}"
         )
-    vocab = drafter.vocab_ids if hasattr(drafter, "vocab_ids") else None
+    vocab = drafter.vocab_ids
     if vocab is not None and (int(vocab.max()) >= target.vocab_size or int(vocab.min()) < 0):
         raise DrafterMismatchError(
             f"drafter draft_vocab holds ids up to {int(vocab.max())}, outside the target's "
@@ -293,7 +291,7 @@ def save_drafter(drafter: DFlashDraftModel, path: str | Path, extra_config: dict
         weights = dict(tree_flatten(drafter.parameters()))
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if getattr(drafter, "ngram", None) is not None:
+        if drafter.ngram is not None:
             drafter.ngram.save(tmp / NGRAM_FILE)
     return Path(path)
 

@@ -8,19 +8,33 @@ frequent first); then its head is those rows only and its drafts map back to tar
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..accept import SamplingParams, proposal_from_logits
+from ..ngram import NgramTable
+from .base import Proposal
 from .layers import DraftArgs, DraftLayer, block_mask, make_context_cache
+
+
+class _Memo:
+    """Arrays derived from the weights and kept between calls (a plain object, so that
+    nn.Module never counts them as parameters)."""
+
+    def __init__(self):
+        self.head_rows: tuple[Any, mx.array] | None = None  # (target model, its head rows)
+        self.prev_table: tuple[mx.array, mx.array] | None = None  # (vocab, id -> row)
 
 
 class DFlashDraftModel(nn.Module):
     family = "dflash"
     layer_class = DraftLayer
     fixed_vocab = False  # families with per-token tables (DSpark, DFlash 2) fix it when built
+    fixed_width = False  # a wider block than trained may be drafted (more drafts per pass)
+    walk_candidates: int | None = None  # families with a sequential walk say how wide it is
 
     def __init__(self, args: DraftArgs):
         super().__init__()
@@ -33,6 +47,9 @@ class DFlashDraftModel(nn.Module):
         if args.draft_vocab_size:
             self.draft_vocab = mx.arange(args.draft_vocab_size, dtype=mx.int32)
             self.freeze(keys=["draft_vocab"])
+        self.ngram: NgramTable | None = None  # lookup drafts shipped with the checkpoint
+        self.source_path: Path | None = None  # the directory it was loaded from
+        self._memo = _Memo()
 
     @property
     def vocab_ids(self) -> mx.array | None:
@@ -46,7 +63,7 @@ class DFlashDraftModel(nn.Module):
         self.args.draft_vocab_size = int(ids.shape[0])
         self.draft_vocab = ids.astype(mx.int32)
         self.freeze(keys=["draft_vocab"])
-        object.__setattr__(self, "_head_rows", None)
+        self._memo.head_rows = None
 
     def prev_rows(self, tokens: mx.array) -> mx.array:
         """Target ids -> rows of a per-previous-token table: the draft vocabulary's index, or
@@ -54,28 +71,36 @@ class DFlashDraftModel(nn.Module):
         vocab = self.vocab_ids
         if vocab is None:
             return tokens.astype(mx.int32)
-        table = self.__dict__.get("_prev_table")
+        table = self._memo.prev_table
         if table is None or table[0] is not vocab:
             t = mx.full((self.args.vocab_size,), vocab.shape[0], dtype=mx.int32)
             t[vocab] = mx.arange(vocab.shape[0], dtype=mx.int32)
-            table = (vocab, t)
-            object.__setattr__(self, "_prev_table", table)
+            table = self._memo.prev_table = (vocab, t)
         return table[1][tokens.astype(mx.int32)]
 
     def head(self, target: Any, hidden: mx.array) -> mx.array:
         """Draft logits over the drafter's vocabulary (the target's head, or its subset rows)."""
         if self.vocab_ids is None:
             return self.compute_logits(target.lm_head(hidden))
-        cached = self.__dict__.get("_head_rows")
+        cached = self._memo.head_rows
         if cached is None or cached[0] is not target.model:
             # Gathered once per target: the head rows of the draft vocabulary.
-            cached = (target.model, target.head_rows(self.vocab_ids))
-            object.__setattr__(self, "_head_rows", cached)
+            cached = self._memo.head_rows = (target.model, target.head_rows(self.vocab_ids))
         return self.compute_logits(hidden @ cached[1].T)
 
     @property
     def block_size(self) -> int:
         return self.args.block_size
+
+    @property
+    def max_drafts(self) -> int:
+        """Drafts one pass proposes at the trained width: the slots after the anchor."""
+        return self.block_size - 1
+
+    def pass_key(self) -> tuple:
+        a = self.args
+        return (a.hidden_size, a.num_hidden_layers, a.draft_vocab_size, self.block_size,
+                type(self).__name__, self.walk_candidates)
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -153,13 +178,16 @@ class DFlashDraftModel(nn.Module):
         target: Any,
         anchor: mx.array,
         cache: list[Any],
-        block_size: int,
+        width: int,
         num_drafts: int,
         params: SamplingParams,
-    ) -> tuple[mx.array, mx.array | None]:
-        """K draft target ids, and their proposal distribution [K, V] when sampling."""
-        logits = self.draft_logits(target, anchor, cache, block_size, num_drafts)
-        return proposal_from_logits(logits, params, self.vocab_ids, target.vocab_size)
+    ) -> Proposal:
+        """K draft target ids, and their proposal distribution [K, V] when sampling. The block
+        has the trained width, or ``width`` inputs if that is more (its attention over the
+        MASK slots is bidirectional: the block width is part of what it was trained on)."""
+        block = max(width, self.block_size)
+        logits = self.draft_logits(target, anchor, cache, block, num_drafts)
+        return Proposal(*proposal_from_logits(logits, params, self.vocab_ids, target.vocab_size))
 
     def train_logits(
         self, target: Any, features: mx.array, blocks: mx.array, anchors: mx.array,

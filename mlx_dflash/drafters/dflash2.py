@@ -21,6 +21,7 @@ import mlx.nn as nn
 
 from ..accept import CandidateProposal, SamplingParams
 from ..kernels import path_select
+from .base import Proposal
 from .dflash import DFlashDraftModel
 from .layers import DraftArgs, DraftLayer
 
@@ -157,14 +158,16 @@ class DFlash2DraftModel(DFlashDraftModel):
         target: Any,
         anchor: mx.array,
         cache: list[Any],
-        block_size: int,
+        width: int,
         num_drafts: int,
         params: SamplingParams,
-    ) -> tuple[mx.array, mx.array | None]:
+    ) -> Proposal:
         """K drafts by the selector walk; when sampling, the proposal on each position's K
-        candidates (verified by the candidates kernel: rejection sampling stays exact)."""
+        candidates (verified by the candidates kernel: rejection sampling stays exact). The
+        block widens to ``width`` as DFlash's does."""
         K = num_drafts
-        hidden = self.block_hidden(target, anchor, cache, block_size)[1 : 1 + K]
+        block = max(width, self.block_size)
+        hidden = self.block_hidden(target, anchor, cache, block)[1 : 1 + K]
         sel = self.candidate_selector
         cand, unary_k = sel.candidates(self.head(target, hidden).astype(mx.float32))
         first, rest = sel.lattice(cand, unary_k, hidden, self.prev_rows(anchor)[0])
@@ -173,7 +176,8 @@ class DFlash2DraftModel(DFlashDraftModel):
         vocab = self.vocab_ids
         cand_ids = vocab[cand] if vocab is not None else cand
         drafts = (vocab[idx] if vocab is not None else idx).astype(mx.uint32)
-        return drafts, None if q is None else CandidateProposal(cand_ids.astype(mx.uint32), q)
+        return Proposal(drafts,
+                        None if q is None else CandidateProposal(cand_ids.astype(mx.uint32), q))
 
     def train_logits(self, target: Any, features, blocks, anchors, prev):
         """(draft logits [N, n, V'], (selector scores [N, n, K], candidates [N, n, K])) of

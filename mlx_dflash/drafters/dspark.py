@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..accept import CandidateProposal, SamplingParams, sampling_logits
+from .base import Proposal
 from .dflash import DFlashDraftModel
 from .layers import DraftArgs
 
@@ -78,6 +79,7 @@ class ConfidenceHead(nn.Module):
 class DSparkDraftModel(DFlashDraftModel):
     family = "dspark"
     fixed_vocab = True
+    fixed_width = True  # g inputs give g drafts; the block never widens
     # Tokens a Markov walk step chooses among (the slot's top unary logits); 0: all of them.
     walk_candidates = 256
 
@@ -97,7 +99,7 @@ class DSparkDraftModel(DFlashDraftModel):
 
     @property
     def max_drafts(self) -> int:
-        """g inputs give g drafts; the block width never changes (DFlash widens its block)."""
+        """g inputs give g drafts (the anchor slot predicts the first)."""
         return self.block_size
 
     def markov(self, prev: mx.array, hidden: mx.array, state: mx.array | None,
@@ -152,11 +154,12 @@ class DSparkDraftModel(DFlashDraftModel):
         target: Any,
         anchor: mx.array,
         cache: list[Any],
-        block_size: int,
+        width: int,
         num_drafts: int,
         params: SamplingParams,
-    ) -> tuple[mx.array, mx.array | CandidateProposal | None]:
-        """K <= g drafts by the Markov walk from the anchor (lazy: no host sync).
+    ) -> Proposal:
+        """K <= g drafts by the Markov walk from the anchor (lazy: no host sync), with their
+        calibrated survival confidences where the drafter has a confidence head.
 
         With ``walk_candidates`` M, slot k draws only among the M tokens its unary logits rank
         highest, so a walk step reads M rows of W2 instead of all of them (most of the walk's
@@ -189,22 +192,20 @@ class DSparkDraftModel(DFlashDraftModel):
                 x = cand[k][x]  # candidate slot -> draft-vocabulary index
             drafts.append(x)
             prev = x.astype(mx.int32)
-        # Per-slot survival probabilities (calibrated), for a scheduler to read.
-        object.__setattr__(self, "last_confidence",
-                           self.calibrated(mx.stack(conf)) if conf else None)
+        confidence = self.calibrated(mx.stack(conf)) if conf else None
         idx = mx.stack(drafts)
         vocab = self.vocab_ids
         out = (vocab[idx] if vocab is not None else idx).astype(mx.uint32)
         if params.greedy:
-            return out, None
+            return Proposal(out, None, confidence)
         q = mx.stack(probs)  # [K, M] over cand, else [K, V'] over the draft vocabulary
         if cand is not None:
             ids = vocab[cand] if vocab is not None else cand
-            return out, CandidateProposal(ids.astype(mx.uint32), q)
+            return Proposal(out, CandidateProposal(ids.astype(mx.uint32), q), confidence)
         if vocab is not None:
             q = mx.put_along_axis(mx.zeros((K, target.vocab_size), dtype=q.dtype),
                                   mx.broadcast_to(vocab[None], q.shape), q, axis=-1)
-        return out, q
+        return Proposal(out, q, confidence)
 
     def calibrated(self, conf_logits: mx.array) -> mx.array:
         """sigmoid(logit_k / T_k + b_k) with the sequentially fitted temperatures and offsets

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import __version__
-from ..decode import COPY_DRAFTS
+from ..policy import COPY_DRAFTS
 from .anthropic import MessageShaper, MessagesRequest
 from .auth import APIKeyMiddleware
 from .errors import APIError, error_response, install_handlers

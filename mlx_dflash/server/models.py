@@ -17,8 +17,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..decode import as_target, block_width
-from ..prompt_cache import PrefixCache, fingerprint, needs_checkpoints
+from ..drafters.base import verify_width
+from ..fingerprint import pair_fingerprint
+from ..pair_cache import needs_checkpoints
+from ..prefix_cache import PrefixCache
+from ..target import as_target
 
 log = logging.getLogger("mlx_dflash.server")
 
@@ -158,11 +161,11 @@ class ModelPool:
 
     def _prefix_cache(self, served: ServedModel) -> PrefixCache:
         drafter = served.drafter
-        if block_width(drafter, served.block_size) == 1:
+        if verify_width(drafter, served.block_size) == 1:
             drafter = None  # no drafter context is kept: entries hold the target's caches only
         return PrefixCache(self.cache.memory, directory=self.cache.directory,
                            max_disk_bytes=self.cache.disk,
-                           fingerprint=fingerprint(served.model, drafter))
+                           fingerprint=pair_fingerprint(served.model, drafter))
 
     def _unload_above_budget(self, keep: str) -> None:
         if self.max_bytes is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..decode import encode_prompt
+from ..prompts import encode_prompt
 from .errors import APIError
 from .schemas import ChatMessage
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..decode import COPY_DRAFTS, stream_generate
-from ..prompt_cache import stream_generate_cached
+from ..decode import stream_generate, stream_generate_cached
+from ..policy import COPY_DRAFTS
 from .models import ModelPool
 from .stops import StopMatcher
 

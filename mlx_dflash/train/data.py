@@ -7,49 +7,11 @@ target's own, generated into the feature store (``store.py``).
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import random
 from typing import Any
-from pathlib import Path
 
-
-def prompt_text(row: dict) -> str | None:
-    """The prompt of a JSON Lines row: `prompt`, `question`, or the first of `turns`."""
-    for key in ("prompt", "question"):
-        if isinstance(row.get(key), str) and row[key].strip():
-            return row[key]
-    turns = row.get("turns")
-    if isinstance(turns, list) and turns:
-        first = turns[0]
-        if isinstance(first, dict):
-            first = first.get("content") or first.get("value")
-        if isinstance(first, str) and first.strip():
-            return first
-    return None
-
-
-def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Rows {id, prompt} from a JSON Lines file; rows without a usable prompt are skipped."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"prompt file not found: {path}")
-    rows = []
-    with path.open() as f:
-        for n, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n + 1}: not valid JSON: {e}") from e
-            text = prompt_text(row) if isinstance(row, dict) else None
-            if text is None:
-                continue
-            rows.append({"id": f"{path.stem}:{row.get('id', n)}", "prompt": text})
-            if limit is not None and len(rows) >= limit:
-                break
-    return rows
+from ..prompts import prompt_text, read_prompts  # noqa: F401  (the prompt sets' reader)
 
 
 def _add_code_prompt(rows: list[dict], seen: set, module: str, qualname: str, fn: Any,

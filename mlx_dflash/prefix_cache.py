@@ -1,8 +1,4 @@
-"""Prefix caches for the speculative pair: keep the caches of finished requests, continue from them.
-
-A :class:`PairCache` is the target's per-layer caches, the drafter's context cache and the tokens
-both hold. ``stream_generate(..., prompt_cache=pair)`` prefills only what the pair does not
-hold yet and leaves it holding the whole sequence when generation ends.
+"""Prefix stores for the speculative pair: keep the caches of finished requests, continue from them.
 
 A :class:`PrefixCache` keeps finished pairs keyed by their tokens: least recently used first out
 under a byte budget in memory, and optionally on disk (MLX's own ``save_prompt_cache`` /
@@ -13,7 +9,7 @@ usable prefix of its prompt:
   that has not wrapped yet) are cut to the common prefix, as mlx-lm's server does;
 * a cache that cannot (a Gated DeltaNet state, a wrapped sliding window) is reused only when the
   entry's tokens are a prefix of the prompt: the state is exact only where it was saved. For such
-  targets :func:`stream_generate_cached` also saves checkpoints: at the end of each prompt (less
+  targets ``decode.stream_generate_cached`` also saves checkpoints: at the end of each prompt (less
   its last token), so the next turn of a conversation finds an exact prefix even when the reply
   does not come back token for token, and at positions the caller names (the server: where the
   messages before the last one end, e.g. a shared system prompt).
@@ -31,135 +27,24 @@ import os
 import struct
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Generator, Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models.cache import (
-    ArraysCache,
-    KVCache,
-    can_trim_prompt_cache,
-    load_prompt_cache,
-    save_prompt_cache,
-)
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from .target import FULL, Target, TargetCache
+from .fingerprint import array_bytes
+from .pair_cache import PairCache
+from .target import TargetCache, positions_held
 
-log = logging.getLogger("mlx_dflash.prompt_cache")
+log = logging.getLogger("mlx_dflash.prefix_cache")
 
 FORMAT = "mlx-dflash-prefix-cache/1"
 
 
-# -- one pair's caches ----------------------------------------------------------------------------
-def _fork_layer(c: Any) -> Any:
-    """A layer cache with the same contents whose writes never reach ``c``: new array objects
-    over the same values (MLX copies a buffer on the first write when it is shared)."""
-    if type(c) is KVCache:
-        new = KVCache()
-        if c.keys is not None:  # only the filled part: a later write copies no stale slots
-            new.keys, new.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
-        new.offset = c.offset
-        return new
-    if isinstance(c, ArraysCache):  # recurrent layers replace their arrays, never write into them
-        new = ArraysCache(len(c.cache))
-        new.cache, new.left_padding, new.lengths = list(c.cache), c.left_padding, c.lengths
-        return new
-    return type(c).from_state(tree_map(lambda x: x[...] if isinstance(x, mx.array) else x,
-                                       c.state))
-
-
-@dataclass(eq=False)
-class PairCache:
-    """The target's caches, the drafter's context cache and the tokens they hold.
-
-    ``tokens`` is None while a generation runs on the pair, or after one that ended where the
-    caches could not be named (then the pair is unusable).
-    """
-
-    target: TargetCache | None = None
-    drafter: list[Any] | None = None
-    tokens: list[int] | None = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in (self.target or []) + (self.drafter or []))
-
-    @property
-    def layers(self) -> list[Any]:
-        return list(self.target or []) + list(self.drafter or [])
-
-    def trimmable(self) -> bool:
-        """Whether the caches can be cut back to any shorter prefix, exactly."""
-        return can_trim_prompt_cache(self.layers) and all(hasattr(c, "offset")
-                                                          for c in self.layers)
-
-    def ensure(self, target: Any, drafter: Any) -> None:
-        """Make the empty caches a first use needs; check that a used pair fits the models."""
-        if self.target is None:
-            self.target = target.make_cache()
-        elif len(self.target) != target.num_layers:
-            raise ValueError(f"the prompt cache has {len(self.target)} target layers, the target "
-                             f"{target.num_layers}")
-        if drafter is None:
-            self.drafter = None  # the drafter's context stops following the target
-        elif self.drafter is None:
-            if self.tokens:
-                raise ValueError("the prompt cache holds no drafter context")
-            self.drafter = drafter.make_cache()
-
-    def begin(self, tokens: Sequence[int], target: Any, drafter: Any) -> int:
-        """Check that the pair holds a proper prefix of ``tokens`` and take it into use; returns
-        the length of that prefix (the tokens not to prefill)."""
-        if self.tokens is None:
-            raise ValueError("the prompt cache is in use, or its last generation did not end "
-                             "where its contents could be named")
-        n = len(self.tokens)
-        if n >= len(tokens) or list(tokens[:n]) != self.tokens:
-            raise ValueError("the prompt cache must hold a proper prefix of the prompt (at least "
-                             "one prompt token is left to prefill)")
-        self.ensure(target, drafter)
-        self.tokens = None  # the contents change from here on
-        return n
-
-    def hold(self, tokens: Sequence[int]) -> None:
-        """Name the contents: the caches hold exactly ``tokens``. Starts evaluating them."""
-        if self.target is not None:
-            self.target.last_pass = None  # a rollback record would keep the last pass alive
-        mx.async_eval([c.state for c in self.layers])
-        self.tokens = list(tokens)
-
-    def trim_to(self, n: int) -> bool:
-        """Cut both caches back to their first ``n`` positions if that is exact (else False)."""
-        if not self.trimmable() or any(c.offset < n for c in self.layers):
-            return False
-        for c in self.layers:
-            c.trim(c.offset - n)
-        if self.tokens is not None:
-            self.tokens = self.tokens[:n]
-        return True
-
-    def fork(self, keep: int | None = None) -> PairCache:
-        """A pair to continue from, holding the first ``keep`` tokens (all by default); it shares
-        this one's arrays, and nothing done to it changes this one."""
-        if self.tokens is None:
-            raise ValueError("cannot fork a prompt cache whose contents are unknown")
-        target = None if self.target is None else TargetCache(map(_fork_layer, self.target))
-        drafter = None if self.drafter is None else [_fork_layer(c) for c in self.drafter]
-        pair = PairCache(target, drafter, list(self.tokens))
-        if keep is not None and keep < len(self.tokens) and not pair.trim_to(keep):
-            raise ValueError("this prompt cache cannot be cut back (recurrent or wrapped layers)")
-        return pair
-
-
-def needs_checkpoints(target: Any) -> bool:
-    """Targets whose caches may not be cut back (recurrent or sliding-window layers)."""
-    return any(kind != FULL for kind in target.layer_kinds)
-
-
-# -- the store ------------------------------------------------------------------------------------
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])
@@ -290,37 +175,13 @@ def _is_prefix(a: np.ndarray, b: np.ndarray) -> bool:
     return len(a) <= len(b) and bool(np.array_equal(a, b[: len(a)]))
 
 
-# -- the disk tier --------------------------------------------------------------------------------
-def fingerprint(target: Any, drafter: Any) -> str:
-    """Names a (target, drafter) pair: their configurations and a sample of every weight, so a
-    cache saved for other weights with the same shapes is never loaded."""
-    h = hashlib.sha256()
-    for module in (target.model if isinstance(target, Target) else target, drafter):
-        if module is None:
-            h.update(b"none")
-            continue
-        h.update(type(module).__module__.encode())
-        args = getattr(module, "args", None)
-        h.update(repr(sorted(vars(args).items()) if args is not None else None).encode())
-        for name, p in tree_flatten(module.parameters()):
-            sample = p.reshape(-1)[:64]
-            h.update(name.encode() + _array_bytes(sample))
-    return h.hexdigest()
-
-
-def _array_bytes(a: mx.array) -> bytes:
-    head = f"{a.dtype}{a.shape}".encode()
-    if a.size == 0:
-        return head
-    return head + np.array(mx.contiguous(a).view(mx.uint8)).tobytes()
-
-
+# -- the disk tier ----------------------------------------------------------------------------
 def _digest(layers: list[Any]) -> str:
     """A checksum of the cache states, written with them and checked on load."""
     h = hashlib.sha256()
     for path, leaf in tree_flatten([c.state for c in layers]):
         h.update(path.encode())
-        h.update(_array_bytes(leaf) if isinstance(leaf, mx.array) else repr(leaf).encode())
+        h.update(array_bytes(leaf) if isinstance(leaf, mx.array) else repr(leaf).encode())
     return h.hexdigest()
 
 
@@ -417,7 +278,7 @@ class DiskCache:
             n_target = int(meta["num_target_layers"])
             if _digest(layers) != meta["digest"]:
                 raise ValueError("checksum mismatch")
-            if any(getattr(c, "offset", len(entry.ids)) != len(entry.ids) for c in layers):
+            if any(positions_held(c) not in (None, len(entry.ids)) for c in layers):
                 raise ValueError("the caches do not hold the saved tokens")
             mx.eval([c.state for c in layers])
         except Exception as e:  # noqa: BLE001 (a bad file costs a prefill, never a crash)
@@ -470,60 +331,3 @@ class DiskCache:
     def _remove(self, key: str) -> None:
         entry = self._index.pop(key)
         entry.path.unlink(missing_ok=True)
-
-
-# -- generation through a store -------------------------------------------------------------------
-def stream_generate_cached(
-    store: PrefixCache,
-    model: Any,
-    drafter: Any,
-    tokenizer: Any,
-    prompt: str | Sequence[int],
-    *,
-    take: bool | None = None,
-    checkpoints: Sequence[int] = (),
-    generate: Callable[..., Any] | None = None,
-    **kwargs: Any,
-) -> Generator[Any, None, None]:
-    """``stream_generate`` continuing from the store's longest usable prefix; the finished pair
-    goes back into the store. ``stats.cached_tokens`` counts the prompt tokens reused.
-
-    For targets whose caches cannot be cut back, the pair is also stored at each position in
-    ``checkpoints`` (e.g. where the system prompt ends) and where the prompt ends, less its last
-    token: the states later requests can continue from exactly. ``generate`` stands in for
-    ``stream_generate`` (it must accept ``prompt_cache``).
-    """
-    from .decode import as_target, block_width, encode_prompt, prefill, stream_generate
-
-    tokens = encode_prompt(tokenizer, prompt)
-    target = as_target(model)
-    if block_width(drafter, kwargs.get("block_size"), kwargs.get("schedule", True)) == 1:
-        drafter = None  # as stream_generate does: nothing to draft, no context to keep
-    pair, cached = store.fetch(tokens, take=take)
-    if drafter is not None and pair.drafter is None and pair.tokens:
-        pair, cached = PairCache(), 0  # kept without a drafter context: of no use here
-    pair.ensure(target, drafter)
-    tic = time.perf_counter()
-    end = len(tokens) - 1
-    if needs_checkpoints(target) and kwargs.get("max_tokens", 1) > 0:
-        for stop in sorted({p for p in (*checkpoints, end) if cached < p <= end}):
-            start = pair.begin(tokens, target, drafter)
-            prefill(target, tokens[start:stop], pair.target, drafter, pair.drafter,
-                    kwargs.get("prefill_step_size", 2048), kwargs.get("prompt_progress"))
-            pair.hold(tokens[:stop])
-            store.insert(pair.fork())
-    checkpoint_s = time.perf_counter() - tic
-    generate = generate or stream_generate
-    gen = generate(model, drafter, tokenizer, tokens, prompt_cache=pair, **kwargs)
-    try:
-        for i, response in enumerate(gen):
-            if i == 0 and response.stats.cached_tokens != cached and response.stats.prompt_tps:
-                stats = response.stats
-                inner_s = stats.prefilled_tokens / max(stats.prompt_tps, 1e-9)
-                stats.cached_tokens = cached
-                stats.prompt_tps = stats.prefilled_tokens / max(inner_s + checkpoint_s, 1e-9)
-            yield response
-    finally:
-        gen.close()
-        if pair.tokens:
-            store.insert(pair)

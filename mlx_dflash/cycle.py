@@ -1,0 +1,180 @@
+"""One speculative cycle, built lazily and synced once: draft -> verify -> accept -> rollback.
+
+A :class:`Speculator` holds one request's decoding state: the target's and the drafter's caches,
+the committed features the drafter has not read yet, the sampling parameters. ``cycle`` builds
+a cycle's graph (K drafts after the anchor, the drafter's or a looked-up block; one target pass
+over ``[anchor] + drafts``; the acceptance rule); :meth:`Cycle.resolve` is its one host sync;
+``settle`` rolls the target cache back past what was accepted and queues the accepted
+positions' features for the drafter, read when it next drafts (plain cycles cost it nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import mlx.core as mx
+
+from .accept import SamplingParams, accept_block, point_mass
+from .drafters.base import Drafter, Proposal
+from .pair_cache import PairCache
+from .target import Target
+
+DEFAULT_PREFILL_STEP = 2048
+
+# Where a cycle's drafts came from.
+DRAFTER, COPY, NGRAM, PLAIN = "drafter", "copy", "ngram", "plain"
+
+
+@dataclass
+class Cycle:
+    anchor: mx.array  # [1] the last committed token, not yet in the target cache
+    num_drafts: int  # K: tokens verified after the anchor (0: a plain decoding step)
+    source: str  # DRAFTER, COPY (from the context), NGRAM (the drafter's table) or PLAIN
+    packed: mx.array  # [accepted_len, drafts (K), next tokens (K+1)]: what the sync reads
+    next_tokens: mx.array  # [K+1] the token committed after each accepted prefix
+    features: mx.array | None  # [1, K+1, taps*D] the target's tap features of the pass
+    confidence: mx.array | None = None  # [K] calibrated survival of each draft (DSpark)
+
+    @property
+    def looked_up(self) -> bool:
+        return self.source in (COPY, NGRAM)
+
+    def start(self) -> None:
+        """Start evaluating the cycle (no wait)."""
+        mx.async_eval(self.packed, *([self.confidence] if self.confidence is not None else []))
+
+    def resolve(self) -> tuple[int, list[int]]:
+        """(accepted_len, the tokens to commit: the accepted drafts and the target's next)."""
+        values = self.packed.tolist()  # the one host sync of the cycle
+        a, K = values[0], self.num_drafts
+        return a, values[1 : 1 + a] + [values[1 + K + a]]
+
+
+def prefill(
+    target: Target,
+    tokens: Sequence[int],
+    cache: list[Any],
+    drafter: Drafter | None,
+    draft_cache: list[Any] | None,
+    step: int = DEFAULT_PREFILL_STEP,
+    progress: Callable[[int, int], Any] | None = None,
+) -> mx.array:
+    """Run the prompt through the target in chunks; feed its tap features to the drafter.
+
+    Returns the target's logits [V] at the last prompt position.
+    """
+    layer_ids = drafter.target_layer_ids if drafter is not None else ()
+    prompt = mx.array(tokens, dtype=mx.uint32)[None]
+    n = len(tokens)
+    if progress is not None:
+        progress(0, n)
+    for start in range(0, n, step):
+        hidden, features = target.hidden_states(prompt[:, start : start + step], cache, layer_ids)
+        if drafter is not None:
+            drafter.commit(features, draft_cache)
+        last = hidden[:, -1]
+        mx.eval([c.state for c in cache] + ([c.state for c in draft_cache] if drafter else []))
+        if progress is not None:
+            progress(min(start + step, n), n)
+    return target.lm_head(last)[0]
+
+
+class Speculator:
+    """One request's decoding state; builds its cycles and settles them.
+
+    ``pair`` (a :class:`PairCache` holding a proper prefix of ``tokens``, or empty) is
+    continued from; ``cached`` says how many prompt tokens it already held. ``held`` tracks
+    what the pair's caches hold, so that they can be named when generation ends.
+    """
+
+    def __init__(self, target: Target, drafter: Drafter | None, params: SamplingParams,
+                 width: int, tokens: Sequence[int], pair: PairCache | None = None):
+        self.target, self.drafter, self.params, self.width = target, drafter, params, width
+        self.layer_ids = drafter.target_layer_ids if drafter is not None else ()
+        self.backlog: list[mx.array] = []  # committed target features the drafter has not read
+        self.pair, self.cached, self.held = pair, 0, None
+        if pair is None:
+            self.cache = target.make_cache()
+            self.draft_cache = drafter.make_cache() if drafter is not None else None
+        else:
+            self.cached = pair.begin(tokens, target, drafter)
+            self.cache, self.draft_cache = pair.target, pair.drafter
+            self.held = list(tokens)  # + every committed token (the anchor included)
+
+    def prefill(self, tokens: Sequence[int], step: int, progress: Any = None) -> mx.array:
+        """Prefill the prompt tokens the caches do not hold; the last position's logits."""
+        return prefill(self.target, tokens[self.cached :], self.cache, self.drafter,
+                       self.draft_cache, step, progress)
+
+    def cycle(self, anchor: mx.array, num_drafts: int, looked_up: Sequence[int] = (),
+              source: str = DRAFTER) -> Cycle:
+        """Build (lazily) one cycle: ``num_drafts`` drafts after ``anchor`` (the looked-up
+        block when one is given), one target pass over them, the acceptance rule."""
+        proposal = Proposal(mx.zeros((0,), dtype=mx.uint32))
+        if looked_up:  # a point-mass proposal: exact under rejection sampling too
+            drafts = mx.array(list(looked_up), dtype=mx.uint32)
+            proposal = Proposal(drafts, None if self.params.greedy else point_mass(drafts))
+        elif num_drafts > 0:
+            self._feed_drafter()
+            proposal = self.drafter.propose(self.target, anchor, self.draft_cache, self.width,
+                                            num_drafts, self.params)
+        logits, features = self.target.forward(
+            mx.concatenate([anchor, proposal.drafts])[None], self.cache, self.layer_ids)
+        accepted_len, next_tokens = accept_block(proposal.drafts, proposal.probs, logits[0],
+                                                 self.params)
+        packed = mx.concatenate([accepted_len.astype(mx.uint32)[None], proposal.drafts,
+                                 next_tokens])
+        return Cycle(anchor, num_drafts, source, packed, next_tokens, features,
+                     proposal.confidence)
+
+    def feed(self, cycle: Cycle) -> None:
+        """Queue all of a cycle's features for the drafter before it is synced (a plain
+        cycle's one position, when the next cycle is built from its token ahead)."""
+        if self.drafter is not None:
+            self.backlog.append(cycle.features)
+
+    def settle(self, cycle: Cycle, accepted: int, fed: bool = False) -> None:
+        """After the sync: drop the rejected drafts from the target cache and queue the
+        accepted positions' features for the drafter (unless ``feed`` did)."""
+        self.target.rollback(self.cache, cycle.num_drafts - accepted)
+        if self.drafter is not None and not fed:
+            self.backlog.append(cycle.features[:, : accepted + 1])
+
+    def hold(self, tokens: Sequence[int]) -> None:
+        """Committed tokens the caches now hold (or will, as the next anchor)."""
+        if self.held is not None:
+            self.held += tokens
+
+    def close(self, pending: Cycle | None) -> None:
+        """At the end of generation, leave the pair's caches holding exactly ``held``: run the
+        last token through the target (a cycle started ahead already did: keep only that of
+        its pass) and give the drafter what it has not read. Lazy: evaluated while the caller
+        reads on."""
+        if self.pair is None:
+            return
+        if pending is not None:
+            self.target.rollback(self.cache, pending.num_drafts)  # its first position stays
+            features = pending.features
+        else:
+            last = mx.array([self.held[-1:]], dtype=mx.uint32)
+            _, features = self.target.hidden_states(last, self.cache, self.layer_ids)
+        if self.drafter is not None:
+            self.backlog.append(features[:, :1])
+            self._feed_drafter()
+        self.pair.hold(self.held)
+
+    def abandon(self) -> None:
+        """The generation was closed mid-stream, with one or two cycles started past what was
+        committed. Caches that can be cut anywhere are cut back to it; others stay unnamed."""
+        if self.pair is None:
+            return
+        held = self.held[:-1]  # the last committed token is the anchor: not in the caches
+        self._feed_drafter()
+        if self.pair.trim_to(len(held)):
+            self.pair.hold(held)
+
+    def _feed_drafter(self) -> None:
+        if self.backlog:
+            self.drafter.commit(mx.concatenate(self.backlog, axis=1), self.draft_cache)
+            self.backlog.clear()

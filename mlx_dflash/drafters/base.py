@@ -1,0 +1,77 @@
+"""What the decode loop asks of a drafter, and what a proposal is.
+
+A drafter reads the target's tap-layer features of every committed position (``commit``) and,
+from the anchor (the last committed token), proposes up to ``max_drafts`` tokens in one pass
+(``propose``). Everything it returns is lazy: the loop syncs once per cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import mlx.core as mx
+
+from ..accept import CandidateProposal, SamplingParams
+
+if TYPE_CHECKING:
+    from ..ngram import NgramTable
+    from .layers import DraftArgs
+
+
+@dataclass
+class Proposal:
+    """K drafted target ids; when sampling, the distribution they were drawn from ([K, V] or
+    a few candidates per position); and, from drafters with a confidence head, the calibrated
+    chance that each draft survives given that the ones before it did ([K])."""
+
+    drafts: mx.array
+    probs: mx.array | CandidateProposal | None = None
+    confidence: mx.array | None = None
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    args: DraftArgs
+    block_size: int  # the block width it was trained at
+    max_drafts: int  # drafts one pass proposes at that width
+    fixed_width: bool  # False: a wider block may be asked for (more drafts than max_drafts)
+    target_layer_ids: list[int]
+    vocab_ids: mx.array | None  # target ids of a reduced draft vocabulary (None: full)
+    ngram: NgramTable | None  # lookup drafts from the target's own text, if it ships them
+    source_path: Path | None  # the directory it was loaded from
+
+    def make_cache(self) -> list[Any]:
+        """An empty context cache (one per layer)."""
+
+    def commit(self, features: mx.array, cache: list[Any]) -> None:
+        """Append committed positions' tap features [1, n, taps*D] to the context."""
+
+    def propose(self, target: Any, anchor: mx.array, cache: list[Any], width: int,
+                num_drafts: int, params: SamplingParams) -> Proposal:
+        """``num_drafts`` drafts after ``anchor`` ([1]) for a cycle verifying up to ``width``
+        tokens (a family that can widens its block to it)."""
+
+    def pass_key(self) -> tuple:
+        """What decides the cost of one ``propose`` pass (names its cached timing)."""
+
+
+def verify_width(drafter: Drafter | None, block_size: int | None = None,
+                 schedule: bool = True) -> int:
+    """Most tokens one cycle verifies (the anchor and its drafts): ``block_size`` if given;
+    else the drafter's block for the scheduler to choose within, or its configured
+    ``verify_block_size`` without one; 1 without a drafter."""
+    if drafter is None:
+        return 1
+    width = block_size or (None if schedule else drafter.args.verify_block_size)
+    width = width or drafter.block_size
+    if drafter.fixed_width:
+        width = min(width, drafter.max_drafts + 1)
+    return width
+
+
+def drafting(drafter: Drafter | None, block_size: int | None = None,
+             schedule: bool = True) -> Drafter | None:
+    """The drafter, or None when a cycle verifies one token at most (nothing to draft)."""
+    return drafter if verify_width(drafter, block_size, schedule) > 1 else None

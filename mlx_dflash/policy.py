@@ -1,0 +1,87 @@
+"""What the next cycle verifies after the anchor.
+
+In order: a block copied from the context (the last few tokens occurred before: verify what
+followed them), else a continuation from the drafter's n-gram table when the scheduler expects
+it to beat the drafter, else as many drafts as the scheduler chooses (all the width allows
+without one; 0 is a plain decoding step).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .cycle import COPY, DRAFTER, NGRAM, PLAIN, Cycle
+from .drafters.base import Drafter
+from .lookup import CopyIndex
+from .ngram import NgramTable
+from .schedule import Scheduler, bytes_per_verified_token, cached_costs
+from .target import Target
+
+# Copy drafts by default, looking up the last 4, 3, then 2 tokens: the rule measured best on
+# the eval files (docs/training.md).
+COPY_DRAFTS = True
+COPY_NGRAM = 2
+COPY_LONGEST = 4
+
+
+class BlockPolicy:
+    def __init__(self, width: int, copy_index: CopyIndex | None = None,
+                 ngram_table: NgramTable | None = None, scheduler: Scheduler | None = None):
+        self.width, self.copy_index = width, copy_index
+        self.ngram_table, self.scheduler = ngram_table, scheduler
+
+    @classmethod
+    def for_request(cls, target: Target, drafter: Drafter | None, width: int,
+                    tokens: Sequence[int], schedule: bool, copy_drafts: bool = COPY_DRAFTS,
+                    copy_ngram: int = COPY_NGRAM) -> BlockPolicy:
+        """The policy for one request; with ``schedule``, the scheduler's pass costs are
+        measured on first use (then cached per model pair and machine)."""
+        if drafter is None:
+            return cls(width)
+        scheduler = None
+        if schedule:
+            scheduler = Scheduler(cached_costs(target, drafter, width), width - 1,
+                                  bytes_per_verified_token(target))
+        if not copy_drafts:
+            return cls(width, scheduler=scheduler)
+        return cls(width, CopyIndex(list(tokens), copy_ngram, COPY_LONGEST), drafter.ngram,
+                   scheduler)
+
+    def choose(self, room: int, context: int, may_look_up: bool = True
+               ) -> tuple[int, list[int], str]:
+        """(drafts to verify, the looked-up block or [], where they come from) for a cycle
+        with ``room`` tokens left to draft before max_tokens and ``context`` tokens held."""
+        K = min(self.width - 1, room)
+        if may_look_up and self.copy_index is not None:
+            block, source = self.lookup(K, context)
+            if block:
+                return len(block), block, source
+        if self.scheduler is not None:
+            K = self.scheduler.choose(K, context)
+        return K, [], DRAFTER if K else PLAIN
+
+    def lookup(self, room: int, context: int) -> tuple[list[int], str]:
+        """A block copied from the context, else one from the n-gram table when the scheduler
+        expects it to beat the drafter (without a scheduler: whenever there is one)."""
+        copied = self.copy_index.lookup(room)
+        if copied or self.ngram_table is None:
+            return copied, COPY
+        found, probs = self.ngram_table.draft(self.copy_index.tokens, room)
+        n = self.scheduler.lookup_length(probs, room, context) if self.scheduler else len(found)
+        return found[:n], NGRAM
+
+    def finds_lookup(self, context: int) -> bool:
+        """Whether a lookup would find a block now."""
+        return self.copy_index is not None and bool(self.lookup(1, context)[0])
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Committed tokens (the copy index learns them)."""
+        if self.copy_index is not None:
+            self.copy_index.extend(list(tokens))
+
+    def observe(self, cycle: Cycle, accepted: int) -> None:
+        """What a drafter cycle accepted (the scheduler's survival estimates learn it)."""
+        if self.scheduler is not None and not cycle.looked_up:
+            confidence = cycle.confidence
+            self.scheduler.observe(cycle.num_drafts, accepted,
+                                   None if confidence is None else confidence.tolist())
