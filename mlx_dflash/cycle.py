@@ -80,6 +80,16 @@ def prefill(
     return target.lm_head(last)[0]
 
 
+def accepted_cycle(anchor: mx.array, proposal: Proposal, logits: mx.array,
+                   features: mx.array | None, params: SamplingParams, source: str) -> Cycle:
+    """The cycle of a verified block: the target's ``logits`` [K+1, V] over ``[anchor] +
+    drafts`` (one row of a batched pass, or a request's own) through the acceptance rule."""
+    accepted_len, next_tokens = accept_block(proposal.drafts, proposal.probs, logits, params)
+    packed = mx.concatenate([accepted_len.astype(mx.uint32)[None], proposal.drafts, next_tokens])
+    return Cycle(anchor, proposal.drafts.shape[0], source, packed, next_tokens, features,
+                 proposal.confidence)
+
+
 class Speculator:
     """One request's decoding state; builds its cycles and settles them.
 
@@ -111,22 +121,26 @@ class Speculator:
               source: str = DRAFTER) -> Cycle:
         """Build (lazily) one cycle: ``num_drafts`` drafts after ``anchor`` (the looked-up
         block when one is given), one target pass over them, the acceptance rule."""
-        proposal = Proposal(mx.zeros((0,), dtype=mx.uint32))
-        if looked_up:  # a point-mass proposal: exact under rejection sampling too
+        return self.verify(anchor, self.draft(anchor, num_drafts, looked_up), source)
+
+    def draft(self, anchor: mx.array, num_drafts: int, looked_up: Sequence[int] = ()
+              ) -> Proposal:
+        """The block to verify after ``anchor``: a looked-up one (a point-mass proposal, exact
+        under rejection sampling too), the drafter's, or none."""
+        if looked_up:
             drafts = mx.array(list(looked_up), dtype=mx.uint32)
-            proposal = Proposal(drafts, None if self.params.greedy else point_mass(drafts))
-        elif num_drafts > 0:
-            self._feed_drafter()
-            proposal = self.drafter.propose(self.target, anchor, self.draft_cache, self.width,
-                                            num_drafts, self.params)
+            return Proposal(drafts, None if self.params.greedy else point_mass(drafts))
+        if num_drafts == 0:
+            return Proposal(mx.zeros((0,), dtype=mx.uint32))
+        self._feed_drafter()
+        return self.drafter.propose(self.target, anchor, self.draft_cache, self.width,
+                                    num_drafts, self.params)
+
+    def verify(self, anchor: mx.array, proposal: Proposal, source: str = DRAFTER) -> Cycle:
+        """One target pass over ``[anchor] + drafts`` on this request's cache, accepted."""
         logits, features = self.target.forward(
             mx.concatenate([anchor, proposal.drafts])[None], self.cache, self.layer_ids)
-        accepted_len, next_tokens = accept_block(proposal.drafts, proposal.probs, logits[0],
-                                                 self.params)
-        packed = mx.concatenate([accepted_len.astype(mx.uint32)[None], proposal.drafts,
-                                 next_tokens])
-        return Cycle(anchor, num_drafts, source, packed, next_tokens, features,
-                     proposal.confidence)
+        return accepted_cycle(anchor, proposal, logits[0], features, self.params, source)
 
     def feed(self, cycle: Cycle) -> None:
         """Queue all of a cycle's features for the drafter before it is synced (a plain

@@ -13,8 +13,8 @@ class CopyIndex:
     """The most recent earlier occurrence of every window of ``ngram`` to ``longest`` tokens,
     kept up to date as tokens are committed (O(new tokens) per cycle, host-side, no sync).
 
-    A lookup prefers the longest window that occurred before: on the eval files, trying
-    4, 3 then 2 tokens accepts more than 2 alone (code 2.64 -> 2.71 tokens a cycle at B = 8).
+    A lookup prefers the longest window that occurred before: trying 4, 3 then 2 tokens
+    accepts more than 2 alone (docs/training.md has the comparison).
     """
 
     def __init__(self, tokens: list[int], ngram: int = 3, longest: int | None = None):

@@ -18,7 +18,7 @@ Rollback after a partial accept is exact for every cache kind the table uses:
   before the pass is kept (a reference, no copy) with the layer's inputs in the pass; rollback
   restores it and feeds the accepted positions through the layer's linear attention again
   ("replay"). Keeping the state after every position instead ("per_position") is implemented
-  too, for measurement: scripts/rollback_cost.py and BENCHMARKS.md explain the choice.
+  too, for measurement (BENCHMARKS.md compares the two).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..drafters.base import verify_width
+from ..drafters.base import drafting
 from ..fingerprint import pair_fingerprint
 from ..pair_cache import needs_checkpoints
 from ..prefix_cache import PrefixCache
@@ -160,9 +160,8 @@ class ModelPool:
         return served
 
     def _prefix_cache(self, served: ServedModel) -> PrefixCache:
-        drafter = served.drafter
-        if verify_width(drafter, served.block_size) == 1:
-            drafter = None  # no drafter context is kept: entries hold the target's caches only
+        # Without drafting no drafter context is kept: entries hold the target's caches only.
+        drafter = drafting(served.drafter, served.block_size)
         return PrefixCache(self.cache.memory, directory=self.cache.directory,
                            max_disk_bytes=self.cache.disk,
                            fingerprint=pair_fingerprint(served.model, drafter))
