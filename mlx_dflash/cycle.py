@@ -152,7 +152,13 @@ class Speculator:
         """After the sync: drop the rejected drafts from the target cache and queue the
         accepted positions' features for the drafter (unless ``feed`` did)."""
         self.target.rollback(self.cache, cycle.num_drafts - accepted)
-        if self.drafter is not None and not fed:
+        if not fed:
+            self.queue_features(cycle, accepted)
+
+    def queue_features(self, cycle: Cycle, accepted: int) -> None:
+        """The accepted positions' features (the anchor's and the accepted drafts'), read by
+        the drafter when it next drafts."""
+        if self.drafter is not None:
             self.backlog.append(cycle.features[:, : accepted + 1])
 
     def hold(self, tokens: Sequence[int]) -> None:

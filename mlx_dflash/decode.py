@@ -8,6 +8,7 @@ equals the target's own (greedy: token for token; sampled: in distribution).
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Sequence
@@ -112,12 +113,16 @@ class GenerationResponse:
         return self.stats.peak_memory
 
 
-class _Output:
+class TextStream:
     """The text side of one generation: stop tokens, ``max_tokens``, detokenizing, counts."""
 
-    def __init__(self, tokenizer: TokenizerWrapper, stats: GenerationStats, max_tokens: int):
+    def __init__(self, tokenizer: TokenizerWrapper, stats: GenerationStats, max_tokens: int,
+                 own_detokenizer: bool = False):
         self.stop_ids = set(tokenizer.eos_token_ids)
+        # The wrapper's detokenizer is shared: a generation running beside others needs a copy.
         self.detokenizer = tokenizer.detokenizer
+        if own_detokenizer:
+            self.detokenizer = copy.copy(self.detokenizer)
         self.detokenizer.reset()
         self.stats, self.max_tokens = stats, max_tokens
         self.tic = time.perf_counter()
@@ -197,7 +202,7 @@ def stream_generate(
                                                        block_size, schedule)
     tokens = encode_prompt(tokenizer, prompt)
     stats = GenerationStats(prompt_tokens=len(tokens), block_size=width)
-    out = _Output(tokenizer, stats, max_tokens)
+    out = TextStream(tokenizer, stats, max_tokens)
     if max_tokens == 0:
         yield out.response([], 0, "length")
         return

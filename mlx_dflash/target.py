@@ -202,6 +202,11 @@ def can_cut_back(layers: Sequence[Any]) -> bool:
         not isinstance(c, ArraysCache) for c in layers)
 
 
+def filled_kv(c: KVCache) -> tuple[mx.array, mx.array]:
+    """A plain KV cache's keys and values [1, heads, positions, head_dim], the filled part."""
+    return c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+
+
 def positions_held(c: Any) -> int | None:
     """Positions a layer cache holds, or None for a recurrent state (it does not count)."""
     return None if isinstance(c, ArraysCache) else c.offset

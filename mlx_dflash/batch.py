@@ -1,0 +1,230 @@
+"""Many requests at once: one batched target pass verifies every running request's block.
+
+Each request keeps what a single generation has (``cycle.Speculator``: the drafter's cache and
+unread features; ``policy.BlockPolicy``: copy, n-gram and scheduler choices; ``decode.TextStream``:
+stops, ``max_tokens``, detokenizing), except the target cache: all requests' target caches are
+rows of one :class:`~mlx_dflash.batch_cache.RaggedKVCache` per layer. A step:
+
+1. admits waiting requests up to ``max_batch`` (each prefilled alone, then added as a row);
+2. drafts for every running request (its own K, 0 included: the blocks are ragged);
+3. runs one target pass over ``[anchor] + drafts`` of every row, right-padded to the longest;
+4. accepts each row with its own sampling parameters (``cycle.accepted_cycle``), one host sync
+   for the whole batch, and each row keeps only its accepted prefix in the batch cache;
+5. commits each request's tokens, and lets the finished and cancelled ones leave.
+
+Requests join and leave between steps without stalling the others. Greedy output equals each
+request's own greedy decode; sampled output follows the target's distribution per request.
+Targets with sliding-window or recurrent layers are not batched yet (``BatchNotSupported``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import mlx.core as mx
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .accept import SamplingParams, sample_first
+from .batch_cache import RaggedKVCache
+from .cycle import DEFAULT_PREFILL_STEP, Cycle, Speculator, accepted_cycle
+from .decode import GenerationResponse, GenerationStats, TextStream
+from .drafters import check_fits
+from .drafters.base import Drafter, drafting, verify_width
+from .policy import COPY_DRAFTS, COPY_NGRAM, BlockPolicy
+from .prompts import encode_prompt
+from .target import FULL, as_target, filled_kv
+
+
+class BatchNotSupported(ValueError):
+    """The target has layers a ragged batch cache cannot hold (sliding window, recurrent)."""
+
+
+@dataclass
+class _Request:
+    id: int
+    tokens: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stats: GenerationStats
+    text: TextStream
+    spec: Speculator | None = None
+    policy: BlockPolicy | None = None
+    anchor: mx.array | None = None  # the last committed token, not yet in the target cache
+    cancelled: bool = False
+
+    @property
+    def room(self) -> int:
+        """Drafts that still fit before ``max_tokens`` (the anchor's token is committed)."""
+        return self.max_tokens - self.stats.generation_tokens - 1
+
+    @property
+    def context(self) -> int:
+        return len(self.tokens) + self.stats.generation_tokens
+
+
+@dataclass
+class BatchResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str | None
+    stats: GenerationStats = field(repr=False)
+
+
+class BatchEngine:
+    """Continuous batching with speculative verification; call :meth:`step` until
+    :attr:`idle`. Each response is ``(request id, GenerationResponse)``."""
+
+    def __init__(self, model: Any, drafter: Drafter | None, tokenizer: Any, *,
+                 max_batch: int = 8, block_size: int | None = None, schedule: bool = True,
+                 copy_drafts: bool = COPY_DRAFTS, copy_ngram: int = COPY_NGRAM,
+                 prefill_step_size: int = DEFAULT_PREFILL_STEP):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.target = as_target(model)
+        unsupported = sorted(set(self.target.layer_kinds) - {FULL})
+        if unsupported:
+            raise BatchNotSupported(f"model type '{self.target.model_type}' has "
+                                    f"{', '.join(unsupported)} layers; batching holds full-"
+                                    "attention layers only for now")
+        if drafter is not None:
+            check_fits(drafter, self.target)
+        self.width = verify_width(drafter, block_size, schedule)
+        if self.width < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.width}")
+        self.drafter = drafting(drafter, block_size, schedule)
+        self.tokenizer = (tokenizer if isinstance(tokenizer, TokenizerWrapper)
+                          else TokenizerWrapper(tokenizer))
+        self.auto = block_size is None and schedule
+        self.copy_drafts, self.copy_ngram = copy_drafts, copy_ngram
+        self.max_batch, self.prefill_step = max_batch, prefill_step_size
+        self.layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
+        self.cache = [RaggedKVCache() for _ in range(self.target.num_layers)]
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []  # in the batch cache's row order
+        self._ids = itertools.count()
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def submit(self, prompt: str | Sequence[int] | mx.array, *, max_tokens: int = 256,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> int:
+        """Queue a request; returns its id (its responses carry it)."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        params = SamplingParams(temperature, top_p, top_k)
+        tokens = encode_prompt(self.tokenizer, prompt)
+        stats = GenerationStats(prompt_tokens=len(tokens), block_size=self.width)
+        request = _Request(next(self._ids), tokens, params, max_tokens, stats,
+                           TextStream(self.tokenizer, stats, max_tokens, own_detokenizer=True))
+        self.waiting.append(request)
+        return request.id
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request (it leaves at the next step, with no further response)."""
+        for r in itertools.chain(self.waiting, self.running):
+            if r.id == request_id:
+                r.cancelled = True
+
+    def step(self) -> list[tuple[int, GenerationResponse]]:
+        """Admit what fits, then run one batched cycle; the responses it produced."""
+        responses: list[tuple[int, GenerationResponse]] = []
+        self.waiting = deque(r for r in self.waiting if not r.cancelled)
+        while self.waiting and len(self.running) < self.max_batch:
+            self._admit(self.waiting.popleft(), responses)
+        self._leave()
+        if self.running:
+            self._cycle(responses)
+            self._leave()
+        return responses
+
+    def _admit(self, r: _Request, responses: list) -> None:
+        """Prefill a request alone, commit its first token and add it as a batch row."""
+        r.policy = BlockPolicy.for_request(self.target, self.drafter, self.width, r.tokens,
+                                           self.auto, self.copy_drafts, self.copy_ngram)
+        r.spec = Speculator(self.target, self.drafter, r.params, self.width, r.tokens)
+        tic = time.perf_counter()
+        r.anchor = sample_first(r.spec.prefill(r.tokens, self.prefill_step), r.params)
+        r.text.tic = time.perf_counter()
+        r.stats.prompt_tps = len(r.tokens) / (r.text.tic - tic)
+        for layer, c in zip(self.cache, r.spec.cache):
+            layer.add_row(*filled_kv(c))
+        r.spec.cache = None  # its rows in the batch cache stand in for it from now on
+        self.running.append(r)
+        self._commit(r, [r.anchor.item()], 0, responses)
+
+    def _cycle(self, responses: list) -> None:
+        """One batched draft -> verify -> accept over every running request."""
+        plans = [r.policy.choose(r.room, r.context) for r in self.running]
+        proposals = [r.spec.draft(r.anchor, K, block) for r, (K, block, _) in
+                     zip(self.running, plans)]
+        width = 1 + max(p.drafts.shape[0] for p in proposals)
+        rows = [mx.concatenate([r.anchor, p.drafts, mx.zeros((width - 1 - p.drafts.shape[0],),
+                                                             dtype=mx.uint32)])
+                for r, p in zip(self.running, proposals)]
+        logits, features = self.target.forward(mx.stack(rows), self.cache, self.layer_ids)
+        cycles: list[Cycle] = []
+        for i, (r, p, (_, _, source)) in enumerate(zip(self.running, proposals, plans)):
+            n = p.drafts.shape[0] + 1
+            row_features = features[i : i + 1, :n] if features is not None else None
+            cycles.append(accepted_cycle(r.anchor, p, logits[i, :n], row_features, r.params,
+                                         source))
+        # The one host sync of the batch's cycle (confidences too: the schedulers read them).
+        mx.eval([c.packed for c in cycles] + [c.confidence for c in cycles
+                                              if c.confidence is not None])
+        kept = []
+        for r, cycle in zip(self.running, cycles):
+            accepted, tokens = cycle.resolve()
+            r.policy.observe(cycle, accepted)
+            r.spec.queue_features(cycle, accepted)
+            r.anchor = cycle.next_tokens[accepted : accepted + 1]
+            r.stats.record(cycle, accepted)
+            kept.append(accepted + 1)
+            self._commit(r, tokens, accepted, responses)
+        for layer in self.cache:
+            layer.commit(kept)
+            layer.compact()  # when the rejected tails' holes take up a quarter of the slots
+
+    def _commit(self, r: _Request, tokens: list[int], accepted: int, responses: list) -> None:
+        tokens, reason = r.text.commit(tokens)
+        if reason is None:
+            r.policy.extend(tokens)
+        else:
+            r.cancelled = True  # done: it leaves the batch
+        responses.append((r.id, r.text.response(tokens, accepted, reason)))
+
+    def _leave(self) -> None:
+        """Finished and cancelled requests leave the batch (their rows go)."""
+        keep = [i for i, r in enumerate(self.running) if not r.cancelled]
+        if len(keep) == len(self.running):
+            return
+        self.running = [self.running[i] for i in keep]
+        for layer in self.cache:
+            layer.keep_rows(keep)
+
+
+def batch_generate(
+    model: Any, drafter: Drafter | None, tokenizer: Any,
+    prompts: Sequence[str | Sequence[int]], *, max_tokens: int = 256,
+    temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, **engine_options: Any,
+) -> list[BatchResult]:
+    """Generate from every prompt at once (continuous batching, ``max_batch`` at a time);
+    returns each one's text, tokens, finish reason and stats, in the prompts' order."""
+    engine = BatchEngine(model, drafter, tokenizer, **engine_options)
+    ids = [engine.submit(p, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                         top_k=top_k) for p in prompts]
+    parts: dict[int, list[GenerationResponse]] = {i: [] for i in ids}
+    while not engine.idle:
+        for request_id, response in engine.step():
+            parts[request_id].append(response)
+    results = []
+    for i in ids:
+        last = parts[i][-1]
+        results.append(BatchResult("".join(r.text for r in parts[i]),
+                                   [t for r in parts[i] for t in r.tokens],
+                                   last.finish_reason, last.stats))
+    return results

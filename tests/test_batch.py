@@ -1,0 +1,190 @@
+"""Continuous batching: every request's output equals its own run, with requests joining and
+leaving mid-flight, ragged blocks (K = 0 included), each drafter family and copy drafts."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_dflash2 import make_dflash2
+from test_dspark import make_dspark
+from test_lossless_greedy import assert_same_or_near_tie, reference
+from test_lossless_sampling import PROMPT, V, assert_follows, exact_joint
+from test_schedule import COSTS
+from tiny import make_drafter, make_family_target, make_target, make_tokenizer
+
+import mlx_dflash.policy as policy
+from mlx_dflash import generate
+from mlx_dflash.accept import SamplingParams, proposal_from_logits
+from mlx_dflash.batch import BatchEngine, BatchNotSupported, batch_generate
+from mlx_dflash.drafters.base import Proposal
+
+RNG = np.random.default_rng(3)
+BASES = [RNG.integers(3, 128, size=n).tolist() for n in (1, 6, 40, 13, 3, 70, 9)]
+# Repeats in some prompts: copy drafts have something to find.
+PROMPTS = [b + b[: len(b) // 2] for b in BASES]
+MAX_TOKENS = [24, 7, 30, 1, 18, 26, 12]
+
+
+class BatchOracle:
+    """Drafts each request's true continuation, corrupted at random: every acceptance length
+    occurs. It tells requests apart by their context caches (made in admission order)."""
+
+    fixed_width = False
+    vocab_ids = None
+    ngram = None
+    source_path = None
+
+    def __init__(self, drafter, sequences, error_rate=0.3, seed=0):
+        self.inner, self.args = drafter, drafter.args
+        self.block_size, self.max_drafts = drafter.block_size, drafter.max_drafts
+        self.target_layer_ids = drafter.target_layer_ids
+        self.sequences, self.by_cache = list(sequences), {}
+        self.error_rate, self.rng = error_rate, np.random.default_rng(seed)
+
+    def make_cache(self):
+        cache = self.inner.make_cache()
+        self.by_cache[id(cache[0])] = self.sequences.pop(0)
+        return cache
+
+    def commit(self, features, cache):
+        self.inner.commit(features, cache)
+
+    def pass_key(self):
+        return ("oracle",)
+
+    def propose(self, target, anchor, cache, width, num_drafts, params):
+        full = self.by_cache[id(cache[0])]
+        pos = cache[0].offset
+        want = list(full[pos + 1 : pos + 1 + num_drafts]) + [0] * num_drafts
+        want = [(t + 1 + int(self.rng.integers(127))) % 128
+                if self.rng.random() < self.error_rate else t for t in want[:num_drafts]]
+        logits = mx.zeros((num_drafts, 128))
+        logits[mx.arange(num_drafts), mx.array(want)] = 100.0
+        return Proposal(*proposal_from_logits(logits, params, None, target.vocab_size))
+
+
+def run_engine(model, drafter, prompts, max_tokens, cancel_after=None, **options):
+    engine = BatchEngine(model, drafter, make_tokenizer(128), **options)
+    ids = [engine.submit(p, max_tokens=n) for p, n in zip(prompts, max_tokens)]
+    out = {i: [] for i in ids}
+    reasons, steps, accepted = {}, 0, 0
+    while not engine.idle:
+        for rid, r in engine.step():
+            out[rid] += r.tokens
+            accepted += r.accepted
+            if r.finish_reason:
+                reasons[rid] = r.finish_reason
+        steps += 1
+        if cancel_after is not None and steps == cancel_after[1]:
+            engine.cancel(ids[cancel_after[0]])
+    return [out[i] for i in ids], [reasons.get(i) for i in ids], accepted
+
+
+def check_against_solo(model, prompts, outputs, reasons, max_tokens, skip=()):
+    for i, (prompt, got, reason, n) in enumerate(zip(prompts, outputs, reasons, max_tokens)):
+        if i in skip:
+            continue
+        want, want_reason = reference(model, prompt, n)
+        assert_same_or_near_tie(model, prompt, got, want)
+        assert reason == want_reason
+
+
+@pytest.mark.parametrize("family", ["plain", "dflash", "dspark", "dflash2", "oracle"])
+def test_batch_greedy_equals_each_solo_run(family):
+    model = make_target("qwen3", seed=2)
+    drafter = {"plain": lambda: None,
+               "dflash": lambda: make_drafter(model, block_size=6),
+               "dspark": lambda: make_dspark(model),
+               "dflash2": lambda: make_dflash2(model, block_size=6),
+               "oracle": lambda: BatchOracle(make_drafter(model, block_size=6), [
+                   p + reference(model, p, n)[0] for p, n in zip(PROMPTS, MAX_TOKENS)]),
+               }[family]()
+    # Three at a time: requests join as others finish, mid-flight.
+    outputs, reasons, accepted = run_engine(model, drafter, PROMPTS, MAX_TOKENS, max_batch=3,
+                                            block_size=6)
+    check_against_solo(model, PROMPTS, outputs, reasons, MAX_TOKENS)
+    if family in ("oracle", "dflash"):
+        assert accepted > 0
+
+
+def test_batch_with_the_scheduler_and_a_cancelled_request(monkeypatch):
+    monkeypatch.setattr(policy, "cached_costs", lambda *a: COSTS)
+    monkeypatch.setattr("mlx_dflash.schedule.memory_headroom", lambda: 1 << 40)
+    model = make_target("qwen3", seed=2)
+    sequences = [p + reference(model, p, n)[0] for p, n in zip(PROMPTS, MAX_TOKENS)]
+    drafter = BatchOracle(make_drafter(model, block_size=8), sequences, error_rate=0.4)
+    outputs, reasons, _ = run_engine(model, drafter, PROMPTS, MAX_TOKENS, max_batch=4,
+                                     cancel_after=(2, 3))
+    check_against_solo(model, PROMPTS, outputs, reasons, MAX_TOKENS, skip=(2,))
+    want, _ = reference(model, PROMPTS[2], MAX_TOKENS[2])
+    assert reasons[2] is None and outputs[2] == want[: len(outputs[2])] and outputs[2] != want
+
+
+def test_batch_text_matches_generate():
+    model = make_target("qwen3", seed=2)
+    drafter = make_drafter(model, block_size=4)
+    tok = make_tokenizer(128)
+    results = batch_generate(model, drafter, tok, PROMPTS[:4], max_tokens=16, block_size=4)
+    for prompt, result in zip(PROMPTS[:4], results):
+        assert result.text == generate(model, drafter, tok, prompt, max_tokens=16, block_size=4)
+        assert result.stats.generation_tokens == len(result.tokens) + (
+            result.finish_reason == "stop")
+
+
+def test_sampled_rows_follow_the_target_inside_a_batch():
+    """Sampled requests beside greedy ones: each row's first four tokens follow the target's
+    exact joint distribution (chi-square, as in test_lossless_sampling)."""
+    model = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)
+    drafter = make_drafter(model, block_size=4, layer_ids=(0, 1), mask_token_id=2, seed=7)
+    params = SamplingParams(1.0, 0.9, 0)
+    joint, marginal4 = exact_joint(model, params)
+    tok = make_tokenizer(V, eos_id=V)
+    mx.random.seed(11)
+    counts, counts4 = np.zeros((V, V, V)), np.zeros(V)
+    engine = BatchEngine(model, drafter, tok, max_batch=8, block_size=4)
+    samples, accepted = 0, 0
+    while samples < 2000:
+        ids = [engine.submit(PROMPT, max_tokens=4, temperature=1.0, top_p=0.9)
+               for _ in range(7)]
+        engine.submit([5, 6], max_tokens=6)  # a greedy row in the same passes
+        out = {i: [] for i in ids}
+        while not engine.idle:
+            for rid, r in engine.step():
+                if rid in out:
+                    out[rid] += r.tokens
+                    accepted += r.accepted
+        for tokens in out.values():
+            counts[tokens[0], tokens[1], tokens[2]] += 1
+            counts4[tokens[3]] += 1
+        samples += len(ids)
+    assert_follows(counts, counts4, joint, marginal4)
+    assert accepted > 0
+
+
+def test_targets_with_windows_or_recurrent_layers_are_refused():
+    model = make_family_target("gemma3_text")
+    with pytest.raises(BatchNotSupported, match="sliding_attention"):
+        BatchEngine(model, None, make_tokenizer(128))
+
+
+def test_bad_requests_are_refused():
+    model = make_target("qwen3")
+    engine = BatchEngine(model, None, make_tokenizer(128))
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.submit([5], max_tokens=0)
+    with pytest.raises(ValueError, match="empty"):
+        engine.submit([], max_tokens=4)
+    with pytest.raises(ValueError, match="max_batch"):
+        BatchEngine(model, None, make_tokenizer(128), max_batch=0)
+
+
+def test_squeezing_out_the_holes_every_step_stays_exact(monkeypatch):
+    from mlx_dflash.batch_cache import RaggedKVCache
+
+    squeeze = RaggedKVCache.compact
+    monkeypatch.setattr(RaggedKVCache, "compact", lambda self, force=False: squeeze(self, True))
+    model = make_target("qwen3", seed=2)
+    sequences = [p + reference(model, p, n)[0] for p, n in zip(PROMPTS, MAX_TOKENS)]
+    drafter = BatchOracle(make_drafter(model, block_size=6), sequences)
+    outputs, reasons, _ = run_engine(model, drafter, PROMPTS, MAX_TOKENS, max_batch=3,
+                                     block_size=6)
+    check_against_solo(model, PROMPTS, outputs, reasons, MAX_TOKENS)
