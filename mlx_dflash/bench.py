@@ -99,7 +99,8 @@ def run_bench(
     try:
         from . import _blas
 
-        results["machine"]["blas"] = _blas.sgemm_provider() or "default"
+        provider = _blas.sgemm_provider()  # the library's file name, not where it lies
+        results["machine"]["blas"] = Path(provider).name if provider else "default"
     except Exception:  # noqa: BLE001 - informational only
         pass
     cost = {B: measure_pass_costs(model, B) for B in block_sizes}
@@ -181,4 +182,130 @@ def format_table(results: dict) -> str:
                 f"{s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | "
                 f"{s['mean_acceptance_length']:.2f} | "
                 f"{'-' if ratio is None else f'{ratio:.2f}'} | {same}/{e['prompts']} |")
+    return "\n".join(lines)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def _engine_run(model: Any, drafter: Any, tokenizer: Any, prompts: list[list[int]],
+                max_tokens: int, **options: Any) -> tuple[list[list[int]], float, dict]:
+    """Our batch engine on prompts arriving together: (tokens of each, wall seconds, per-request
+    first-token and finish times from the start)."""
+    from .batch import BatchEngine
+
+    tic = time.perf_counter()
+    engine = BatchEngine(model, drafter, tokenizer, max_batch=len(prompts), **options)
+    ids = [engine.submit(p, max_tokens=max_tokens) for p in prompts]
+    out = {i: [] for i in ids}
+    first, finish = {}, {}
+    while not engine.idle:
+        for rid, r in engine.step():
+            out[rid] += r.tokens
+            first.setdefault(rid, time.perf_counter() - tic)
+            if r.finish_reason is not None:
+                finish[rid] = time.perf_counter() - tic
+    return [out[i] for i in ids], time.perf_counter() - tic, {
+        "ttft": [first[i] for i in ids], "latency": [finish[i] for i in ids]}
+
+
+def run_batch_bench(
+    model: Any, drafter: Any, tokenizer: Any, prompt_sets: dict[str, list[str]],
+    concurrency: list[int], max_tokens: int = 96, block_size: int = 4, progress: bool = True,
+) -> dict:
+    """Per domain and concurrency c: the prompts in groups of c arriving together, each group
+    run by mlx-lm's ``batch_generate`` (plain decoding), our batch engine with the default
+    settings ("auto") and with a fixed block ("B=block_size"), and our single-request path one
+    request after another ("one by one"); interleaved group by group. Greedy."""
+    from mlx_lm import batch_generate as mlx_batch_generate
+    from tqdm import tqdm
+
+    def chat(text: str) -> list[int]:
+        if getattr(tokenizer, "has_chat_template", False):
+            return tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                 add_generation_prompt=True)
+        return tokenizer.encode(text)
+
+    def one_by_one(group: list[list[int]]) -> tuple[list[list[int]], float, dict]:
+        tic, outs, first, finish = time.perf_counter(), [], [], []
+        for prompt in group:
+            tokens = []
+            for r in stream_generate(model, drafter, tokenizer, prompt, max_tokens=max_tokens):
+                if not tokens:
+                    first.append(time.perf_counter() - tic)
+                tokens += r.tokens
+            finish.append(time.perf_counter() - tic)
+            outs.append(tokens)
+        return outs, time.perf_counter() - tic, {"ttft": first, "latency": finish}
+
+    variants = {"auto": lambda g: _engine_run(model, drafter, tokenizer, g, max_tokens),
+                f"B={block_size}": lambda g: _engine_run(model, drafter, tokenizer, g,
+                                                         max_tokens, block_size=block_size),
+                "one by one": one_by_one}
+    results: dict[str, Any] = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "device": str(mx.default_device()), "mlx": mx.__version__},
+        "settings": {"max_tokens": max_tokens, "concurrency": concurrency, "greedy": True,
+                     "block_size": block_size, "arrivals": "together"},
+        "domains": {},
+    }
+    total = sum(len(p) // c for p in prompt_sets.values() for c in concurrency)
+    bar = tqdm(total=total * (1 + len(variants)), desc="batch bench", unit="run",
+               disable=not progress)
+    for domain, texts in prompt_sets.items():
+        prompts = [chat(t) for t in texts]
+        entry = results["domains"][domain] = {}
+        for c in concurrency:
+            groups = [prompts[i : i + c] for i in range(0, len(prompts) - c + 1, c)]
+            rows = {name: {"tokens": 0, "seconds": 0.0, "ttft": [], "latency": [],
+                           "differing": 0} for name in ["mlx-lm batched plain", *variants]}
+            for group in groups:
+                tic = time.perf_counter()
+                ref = mlx_batch_generate(model, tokenizer, group, max_tokens=max_tokens,
+                                         return_token_ids=True).token_ids
+                base = rows["mlx-lm batched plain"]
+                base["seconds"] += time.perf_counter() - tic
+                base["tokens"] += sum(len(t) for t in ref)
+                bar.update(1)
+                for name, run in variants.items():
+                    outs, seconds, times = run(group)
+                    row = rows[name]
+                    row["tokens"] += sum(len(t) for t in outs)
+                    row["seconds"] += seconds
+                    row["ttft"] += times["ttft"]
+                    row["latency"] += times["latency"]
+                    row["differing"] += sum(o != r for o, r in zip(outs, ref))
+                    bar.update(1)
+            plain_tps = rows["mlx-lm batched plain"]["tokens"] / rows["mlx-lm batched plain"][
+                "seconds"]
+            entry[str(c)] = {name: {
+                "requests": len(groups) * c, "tokens": row["tokens"], "seconds": row["seconds"],
+                "tokens_per_s": row["tokens"] / row["seconds"],
+                "speedup": row["tokens"] / row["seconds"] / plain_tps,
+                "ttft_mean_s": sum(row["ttft"]) / len(row["ttft"]) if row["ttft"] else None,
+                "latency_p50_s": _percentile(row["latency"], 0.5) if row["latency"] else None,
+                "latency_p95_s": _percentile(row["latency"], 0.95) if row["latency"] else None,
+                "outputs_differing_from_mlx_lm": row["differing"],
+            } for name, row in rows.items()}
+    bar.close()
+    return results
+
+
+def format_batch_table(results: dict) -> str:
+    """The batch bench as a Markdown table (one row per domain, concurrency and variant)."""
+    lines = ["| domain | concurrency | variant | aggregate tok/s | vs mlx-lm batched | "
+             "p50 / p95 latency (s) | outputs equal to mlx-lm |",
+             "|---|---:|---|---:|---:|---|---:|"]
+    for domain, by_c in results["domains"].items():
+        for c, variants in by_c.items():
+            for name, v in variants.items():
+                lat = ("-" if v["latency_p50_s"] is None
+                       else f"{v['latency_p50_s']:.1f} / {v['latency_p95_s']:.1f}")
+                n = v["requests"]
+                same = ("-" if name == "mlx-lm batched plain"
+                        else f"{n - v['outputs_differing_from_mlx_lm']}/{n}")
+                lines.append(f"| {domain} | {c} | {name} | {v['tokens_per_s']:.1f} | "
+                             f"{v['speedup']:.2f}x | {lat} | {same} |")
     return "\n".join(lines)

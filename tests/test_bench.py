@@ -38,3 +38,23 @@ def test_pass_costs_with_and_without_drafter():
     costs = measure_pass_costs(model, 4, make_drafter(model, block_size=4), context=16, reps=1)
     assert set(costs) == {"decode_s", "verify_s", "ratio", "draft_s"}
     assert all(v > 0 for v in costs.values())
+
+
+def test_batch_bench_on_tiny_pair(tmp_path):
+    from mlx_dflash.bench import format_batch_table, run_batch_bench
+
+    model = make_target("qwen3", vocab_size=96)
+    sets = {"chat": ["w5 w6 w7", "w8 w9", "w10 w11 w12", "w13"]}
+    results = run_batch_bench(model, make_drafter(model, block_size=4),
+                              make_tokenizer(96, eos_id=96), sets, [1, 2], max_tokens=8,
+                              block_size=3, progress=False)
+    for c in ("1", "2"):
+        variants = results["domains"]["chat"][c]
+        assert set(variants) == {"mlx-lm batched plain", "auto", "B=3", "one by one"}
+        plain = variants["mlx-lm batched plain"]
+        for name, v in variants.items():
+            assert v["requests"] == 4 and v["tokens"] == plain["tokens"] == 32
+            if name != "mlx-lm batched plain":
+                assert v["outputs_differing_from_mlx_lm"] == 0
+                assert v["latency_p50_s"] <= v["latency_p95_s"]
+    assert "| chat | 2 | auto |" in format_batch_table(results)

@@ -28,10 +28,22 @@ def bench(
                               "drafts (variant 'B+copy')."),
     auto: bool = typer.Option(True, "--auto/--no-auto", help="Also run the default settings "
                               "(variant 'auto': scheduler + copy drafts)."),
+    concurrency: List[int] = typer.Option([], "--concurrency", "-c", min=1,
+                                          help="Requests at once; repeatable. Instead of the "
+                                          "single-request bench: groups of this many prompts "
+                                          "arriving together, our batch engine against "
+                                          "mlx-lm's batched plain decoding (the first "
+                                          "--block-size is the fixed-block variant)."),
 ) -> None:
     """Compare plain greedy decoding with DFlash at several block sizes (runs interleaved)."""
-    from ..bench import format_table, load_prompt_sets, run_bench
-    from ..drafters.shipped import resolve_drafter
+    from ..bench import (
+        format_batch_table,
+        format_table,
+        load_prompt_sets,
+        run_batch_bench,
+        run_bench,
+    )
+    from ..drafters.shipped import DEFAULT_DRAFTER, resolve_drafter
 
     for f in prompts:
         if not f.exists():
@@ -43,11 +55,16 @@ def bench(
     target, draft, tokenizer = load_pair(model, resolve_drafter(drafter) if drafter else None)
     if draft is None:
         fail("bench needs a drafter (--drafter)")
-    results = run_bench(target, draft, tokenizer, sets, list(block_size), max_tokens,
-                        copy_drafts=copy, auto=auto)
-    results["settings"]["drafter"] = str(draft.source_path or drafter)
+    if concurrency:
+        results = run_batch_bench(target, draft, tokenizer, sets, list(concurrency), max_tokens,
+                                  block_size[0])
+    else:
+        results = run_bench(target, draft, tokenizer, sets, list(block_size), max_tokens,
+                            copy_drafts=copy, auto=auto)
+    # Named as given (a shipped drafter by its name): no paths of this machine in the results.
+    results["settings"]["drafter"] = drafter or DEFAULT_DRAFTER
     results["settings"]["model"] = model or "default (SmolLM2-135M-Instruct, float32)"
-    typer.echo(format_table(results))
+    typer.echo(format_batch_table(results) if concurrency else format_table(results))
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(results, indent=2) + "\n")
