@@ -6,7 +6,8 @@ load_fast_blas()  # must run before the first `import mlx` in the process
 
 from .decode import GenerationResponse, GenerationStats, generate, stream_generate  # noqa: E402
 from .default_pair import load_default  # noqa: E402
-from .drafters import DrafterMismatchError, load_drafter, save_drafter  # noqa: E402
+from .convert.save import save_drafter  # noqa: E402
+from .drafters import DrafterMismatchError, load_drafter  # noqa: E402
 from .target import Target  # noqa: E402
 
 __version__ = "0.1.0"

@@ -1,6 +1,7 @@
 """Drafter checkpoints in the z-lab layout: keys, config fields, and clear load errors."""
 
 import json
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
@@ -166,3 +167,118 @@ def test_shipped_drafters_load_by_name():
         assert load_drafter(name).args.hidden_size == 576
     with pytest.raises(FileNotFoundError, match="shipped drafters: smollm2"):
         load_drafter("smollm2-135m-nope")
+
+
+# config.json as each family wrote it before the families owned their args (key order included).
+_BASE = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 128,
+         "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "rope_scaling": None,
+         "max_position_embeddings": 40960, "num_target_layers": 4, "tie_word_embeddings": False}
+WRITTEN = {
+    "dflash": {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 8,
+        "dflash_config": {"target_layer_ids": [0, 3], "mask_token_id": 2,
+                          "draft_vocab_size": 40},
+        **_BASE, "num_hidden_layers": 2,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "verify_block_size": 3, "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 5},
+    "dspark_bare": {
+        "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "block_size": 5,
+        **_BASE, "target_layer_ids": [0, 2], "mask_token_id": 2, "markov_rank": 0,
+        "enable_confidence_head": False, "num_anchors": 512},
+    "dspark": {
+        "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "block_size": 5,
+        **_BASE, "verify_block_size": 4, "target_layer_ids": [0, 2], "mask_token_id": 2,
+        "draft_vocab_size": 40, "markov_rank": 16, "enable_confidence_head": True,
+        "num_anchors": 512, "markov_head_type": "gated", "confidence_head_with_markov": False,
+        "confidence_temperatures": [2.0, 0.5], "confidence_offsets": [0.5, -1.0]},
+    "dflash2": {
+        "architectures": ["DFlash2DraftModel"], "model_type": "qwen3",
+        "dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 2,
+                          "draft_vocab_size": 40, "block_size": 8, "conv_kernel_size": 3,
+                          "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4,
+                          "output_multiplier": 0.5, "final_logit_softcapping": 30.0},
+        **_BASE, "num_hidden_layers": 2, "verify_block_size": 6,
+        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5,
+        "is_causal": True},
+}
+
+
+def _written_drafters():
+    from mlx_dflash.drafters import DFlash2DraftModel, DSparkDraftModel
+
+    model = make_target("qwen3", num_layers=4)
+    sliding = dict(num_layers=2, layer_types=["sliding_attention", "full_attention"],
+                   sliding_window=5)
+    dflash = make_drafter(model, block_size=8, layer_ids=(0, 3), verify_block_size=3,
+                          rope_scaling={"rope_type": "linear", "factor": 2.0}, **sliding)
+    dflash.set_draft_vocab(mx.arange(40))
+    return {
+        "dflash": dflash,
+        "dspark_bare": make_drafter(model, cls=DSparkDraftModel, block_size=5),
+        "dspark": make_drafter(model, cls=DSparkDraftModel, block_size=5, markov_rank=16,
+                               markov_head_type="gated", enable_confidence_head=True,
+                               confidence_head_with_markov=False, draft_vocab_size=40,
+                               verify_block_size=4, confidence_temperatures=[2.0, 0.5],
+                               confidence_offsets=[0.5, -1.0]),
+        "dflash2": make_drafter(model, cls=DFlash2DraftModel, conv_kernel_size=3,
+                                conv_group_size=8, selector_rank=8, selector_top_k=4,
+                                draft_vocab_size=40, output_multiplier=0.5,
+                                final_logit_softcapping=30.0, verify_block_size=6, **sliding),
+    }
+
+
+@pytest.mark.parametrize("name", list(WRITTEN))
+def test_each_family_writes_its_config_json_unchanged(tmp_path, name):
+    drafter = _written_drafters()[name]
+    save_drafter(drafter, tmp_path / "d")
+    text = (tmp_path / "d" / "config.json").read_text()
+    assert text == json.dumps(WRITTEN[name], indent=2) + "\n"
+    # Its family reads it back to the same args (DFlash 2 writes out its first layer's
+    # is_causal) and writes the same file again.
+    loaded = load_drafter(tmp_path / "d")
+    assert type(loaded) is type(drafter)
+    assert replace(loaded.args, is_causal=None) == replace(drafter.args, is_causal=None)
+    assert json.dumps(loaded.args.to_config()) == json.dumps(WRITTEN[name])
+
+
+def test_shipped_configs_are_what_their_family_writes():
+    from mlx_dflash.drafters.registry import ARCHITECTURES
+    from mlx_dflash.drafters.shipped import drafter_dir, shipped_drafters
+
+    for name in shipped_drafters():
+        config = json.loads((drafter_dir(name) / "config.json").read_text())
+        cls = ARCHITECTURES[config["architectures"][0]]
+        written = cls.args_class.from_config(config).to_config()
+        if "quantization" in config:
+            written["quantization"] = config["quantization"]
+        assert json.dumps(written) == json.dumps(config), name
+
+
+def test_registry_families_load_what_they_write_and_train():
+    """Every registered family loads the architecture its args write, and training can build
+    one from the registry alone."""
+    from mlx_dflash.drafters.registry import ARCHITECTURES, FAMILIES, drafter_family
+    from mlx_dflash.target import Target
+    from mlx_dflash.train.loop import TrainConfig, new_drafter
+
+    assert set(FAMILIES) == {"dflash", "dspark", "dflash2"}
+    assert ARCHITECTURES["DSparkDraftModel"] is ARCHITECTURES["Qwen3DSparkModel"] \
+        is FAMILIES["dspark"]
+    model = make_target("qwen3", num_layers=4)
+    for name, cls in FAMILIES.items():
+        assert drafter_family(name) is cls and cls.family == name
+        assert ARCHITECTURES[cls.args_class.architecture] is cls
+        config = TrainConfig(store_dir="", out_dir="", family=name, block_size=4,
+                             num_layers=1, mask_token_id=2, markov_rank=8, selector_rank=8,
+                             selector_top_k=4, conv_group_size=8, init_from_target=False)
+        assert config.gamma == cls.train_gamma and config.aux_weight == cls.train_aux_weight
+        drafter = new_drafter(Target(model), config, [0, 2])
+        assert type(drafter) is cls and type(drafter.args) is cls.args_class
+    assert TrainConfig("", "", family="dspark").gamma == 4.0
+    assert TrainConfig("", "", family="dflash2", gamma=5.0).gamma == 5.0
+    with pytest.raises(ValueError, match="unknown drafter family 'eagle'"):
+        TrainConfig("", "", family="eagle")
+    with pytest.raises(ValueError, match="markov_head_type 'lstm'"):
+        TrainConfig("", "", family="dspark", markov_head_type="lstm")

@@ -188,7 +188,7 @@ def test_published_checkpoint_loads_and_round_trips(tmp_path):
 @pytest.mark.parametrize("how", ["export", "convert"])
 def test_quantized_codebooks_load_and_stay_lossless(tmp_path, how):
     from mlx_dflash.convert.drafter import convert_drafter
-    from mlx_dflash.drafters import quantize_drafter
+    from mlx_dflash.convert.save import quantize_drafter
 
     model = make_target("qwen3", seed=4)
     drafter = make_dflash2(model, selector_rank=64)

@@ -139,7 +139,7 @@ def test_markov_head_at_other_bits_round_trips_and_stays_lossless(tmp_path):
     """The shipped drafter stores its Markov tables at 4 bits, the rest at 8 (file size)."""
     import mlx.nn as nn
 
-    from mlx_dflash.drafters import quantize_drafter
+    from mlx_dflash.convert.save import quantize_drafter
 
     model = make_target("qwen3", seed=4)
     drafter = make_dspark(model, "vanilla", markov_rank=32)

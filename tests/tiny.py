@@ -8,7 +8,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_dflash.drafters import DFlashDraftModel, DraftArgs
+from mlx_dflash.drafters import DFlashDraftModel
 
 EOS_ID = 1
 
@@ -75,7 +75,7 @@ def make_drafter(
     **overrides,
 ) -> DFlashDraftModel:
     a = target_model.args
-    args = DraftArgs(
+    args = cls.args_class(
         hidden_size=a.hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,

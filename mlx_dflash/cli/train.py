@@ -8,6 +8,7 @@ from typing import List, Optional
 
 import typer
 
+from ..drafters.registry import FAMILIES
 from .app import app, fail
 
 
@@ -28,17 +29,17 @@ def train(
     generate_only: bool = typer.Option(False, "--generate-only",
                                        help="Fill the store and stop."),
     max_response_tokens: int = typer.Option(192, "--max-response-tokens", min=8),
-    family: str = typer.Option("dflash", "--family", help="dflash, dspark or dflash2."),
+    family: str = typer.Option("dflash", "--family", help=f"{', '.join(FAMILIES)}."),
     block_size: int = typer.Option(16, "--block-size", min=2),
     markov_rank: int = typer.Option(256, "--markov-rank", min=1, help="DSpark only."),
     markov_head: str = typer.Option("vanilla", "--markov-head",
                                     help="DSpark only: vanilla, gated or rnn."),
-    selector_weight: float = typer.Option(1.0, "--selector-weight", min=0.0,
-                                          help="DFlash 2: weight of the selector's loss."),
-    conf_weight: float = typer.Option(1.0, "--conf-weight", min=0.0,
-                                      help="DSpark only: confidence-head BCE weight."),
+    aux_weight: Optional[float] = typer.Option(
+        None, "--aux-weight", "--conf-weight", "--selector-weight", min=0.0,
+        help="Weight of the family's own loss term (DSpark: confidence-head BCE; DFlash 2: "
+        "selector CE). Default: the family's."),
     gamma: Optional[float] = typer.Option(None, "--gamma", min=0.1,
-                                          help="Position decay (default 7 DFlash, 4 DSpark)."),
+                                          help="Position decay (default: the family's)."),
     layers: Optional[int] = typer.Option(
         None, "--layers", min=1, help="Drafter layers (default 2; with --init-from, its own "
         "count, or more to grow it)."),
@@ -115,21 +116,21 @@ def train(
     if generate_only:
         typer.echo(f"feature store: {len(FeatureStore(store_dir))} sequences in {store_dir}")
         return
-    if family not in ("dflash", "dspark", "dflash2"):
-        fail(f"--family must be dflash, dspark or dflash2, got '{family}'")
-    if markov_head not in ("vanilla", "gated", "rnn"):
-        fail(f"--markov-head must be vanilla, gated or rnn, got '{markov_head}'")
-    config = TrainConfig(store_dir=str(store_dir), out_dir=str(out), block_size=block_size,
-                         family=family, markov_rank=markov_rank, markov_head_type=markov_head,
-                         conf_weight=conf_weight, selector_weight=selector_weight,
-                         gamma=gamma or (4.0 if family == "dspark" else 7.0),
-                         num_layers=layers, mask_token_id=mask_token_id,
-                         draft_vocab_size=draft_vocab or None, ce_weight=ce_weight,
-                         tv_weight=tv_weight, epochs=epochs, max_steps=max_steps,
-                         max_minutes=minutes,
-                         learning_rate=learning_rate, num_anchors=anchors,
-                         grad_accum=grad_accum, save_every_s=save_minutes * 60,
-                         init_from=resolve_drafter(init_from) if init_from else None)
+    if family not in FAMILIES:
+        fail(f"--family must be one of {', '.join(FAMILIES)}, got '{family}'")
+    try:  # the family checks its own options (e.g. DSpark's --markov-head)
+        config = TrainConfig(store_dir=str(store_dir), out_dir=str(out), block_size=block_size,
+                             family=family, markov_rank=markov_rank,
+                             markov_head_type=markov_head, aux_weight=aux_weight, gamma=gamma,
+                             num_layers=layers, mask_token_id=mask_token_id,
+                             draft_vocab_size=draft_vocab or None, ce_weight=ce_weight,
+                             tv_weight=tv_weight, epochs=epochs, max_steps=max_steps,
+                             max_minutes=minutes,
+                             learning_rate=learning_rate, num_anchors=anchors,
+                             grad_accum=grad_accum, save_every_s=save_minutes * 60,
+                             init_from=resolve_drafter(init_from) if init_from else None)
+    except ValueError as e:
+        fail(str(e))
     drafter = run_training(target, config)
     if eval_prompts:
         from ..bench import load_prompt_sets

@@ -18,8 +18,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..drafters import load_drafter, quantize_drafter, resolve_path
+from ..drafters import load_drafter, resolve_path
 from .atomic import atomic_output_dir
+from .save import quantize_drafter
 
 DTYPES = ("float32", "bfloat16", "float16")
 BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize supports in affine mode

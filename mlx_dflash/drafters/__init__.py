@@ -1,4 +1,5 @@
-"""Drafter loading: read config.json, pick the family by `architectures`, load, check weights."""
+"""Drafter loading: read config.json, pick the family by `architectures` (see registry.py), load,
+check weights. Saving and quantizing are in mlx_dflash.convert.save."""
 
 from __future__ import annotations
 
@@ -14,16 +15,11 @@ from mlx.utils import tree_flatten
 from ..ngram import FILE_NAME as NGRAM_FILE
 from ..ngram import NgramTable
 from .dflash import DFlashDraftModel
-from .dflash2 import DFlash2DraftModel
-from .dspark import DSparkDraftModel
+from .dflash2 import DFlash2Args, DFlash2DraftModel
+from .dspark import DSparkArgs, DSparkDraftModel
 from .layers import DraftArgs
+from .registry import ARCHITECTURES, FAMILIES, NOT_YET, drafter_family
 from .shipped import drafter_dir, shipped_drafters
-
-# DeepSpec writes Qwen3DSparkModel (fields at the top level); SpecForge-style exports write
-# DSparkDraftModel with the fields in dflash_config. DraftArgs.from_config reads both.
-FAMILIES = {"DFlashDraftModel": DFlashDraftModel, "DFlash2DraftModel": DFlash2DraftModel,
-            "Qwen3DSparkModel": DSparkDraftModel, "DSparkDraftModel": DSparkDraftModel}
-NOT_YET = {"Gemma4DSparkModel": "Gemma 4 DSpark"}
 
 
 class DrafterMismatchError(ValueError):
@@ -81,11 +77,13 @@ def load_drafter(
     if arch in NOT_YET:
         raise NotImplementedError(
             f"{path}: {NOT_YET[arch]} drafters ({arch}) are not supported yet")
-    if arch not in FAMILIES:
+    if arch not in ARCHITECTURES:
         raise ValueError(
-            f"{path}: unknown drafter architecture '{arch}' (supported: {', '.join(FAMILIES)})"
+            f"{path}: unknown drafter architecture '{arch}' "
+            f"(supported: {', '.join(ARCHITECTURES)})"
         )
-    drafter = FAMILIES[arch](DraftArgs.from_config(config))
+    cls = ARCHITECTURES[arch]
+    drafter = cls(cls.args_class.from_config(config))
 
     files = sorted(glob.glob(str(path / "*.safetensors")))
     if not files:
@@ -178,60 +176,6 @@ def check_fits(drafter: DFlashDraftModel, model: Any) -> None:
         )
 
 
-def drafter_config(drafter: DFlashDraftModel) -> dict:
-    """The config.json for a drafter: z-lab layout for DFlash, DeepSpec's for DSpark."""
-    a = drafter.args
-    config = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "block_size": a.block_size,
-        "dflash_config": {"target_layer_ids": a.target_layer_ids,
-                          "mask_token_id": a.mask_token_id},
-        "hidden_size": a.hidden_size,
-        "num_hidden_layers": a.num_hidden_layers,
-        "num_attention_heads": a.num_attention_heads,
-        "num_key_value_heads": a.num_key_value_heads,
-        "head_dim": a.head_dim,
-        "intermediate_size": a.intermediate_size,
-        "vocab_size": a.vocab_size,
-        "rms_norm_eps": a.rms_norm_eps,
-        "rope_theta": a.rope_theta,
-        "rope_scaling": a.rope_scaling,
-        "max_position_embeddings": a.max_position_embeddings,
-        "num_target_layers": a.num_target_layers,
-        "tie_word_embeddings": False,
-    }
-    if a.verify_block_size is not None:
-        config["verify_block_size"] = a.verify_block_size
-    if a.draft_vocab_size:
-        config["dflash_config"]["draft_vocab_size"] = a.draft_vocab_size
-    if a.sliding_window is not None:
-        config["layer_types"] = a.layer_types
-        config["sliding_window"] = a.sliding_window
-    if isinstance(drafter, DFlash2DraftModel):
-        config["architectures"] = ["DFlash2DraftModel"]
-        config["is_causal"] = bool(drafter.layers[0].is_causal)
-        config["dflash_config"].update(
-            block_size=config.pop("block_size"), conv_kernel_size=a.conv_kernel_size,
-            conv_group_size=a.conv_group_size, selector_rank=a.selector_rank,
-            selector_top_k=a.selector_top_k, output_multiplier=a.output_multiplier,
-            final_logit_softcapping=a.final_logit_softcapping)
-    if isinstance(drafter, DSparkDraftModel):
-        fields = config.pop("dflash_config")
-        config.update(fields, architectures=["Qwen3DSparkModel"], markov_rank=a.markov_rank,
-                      enable_confidence_head=a.enable_confidence_head,
-                      num_anchors=a.extra.get("num_anchors", 512))
-        if a.markov_rank:
-            config["markov_head_type"] = a.markov_head_type
-        if a.enable_confidence_head:
-            config["confidence_head_with_markov"] = a.confidence_head_with_markov
-        if a.confidence_temperatures:
-            config["confidence_temperatures"] = a.confidence_temperatures
-        if a.confidence_offsets and any(a.confidence_offsets):
-            config["confidence_offsets"] = a.confidence_offsets
-    return config
-
-
 def _dequantize_raw(weights: dict[str, mx.array], quant: dict) -> None:
     """Raw tensors stored quantized (``X`` packed, ``X_scales``, ``X_biases``: DFlash 2's
     codebooks, see scripts/export_drafter.py) back to float, in place. Their rows are gathered,
@@ -244,58 +188,6 @@ def _dequantize_raw(weights: dict[str, mx.array], quant: dict) -> None:
                                           group_size=quant["group_size"], bits=quant["bits"])
 
 
-def quantize_drafter(drafter: DFlashDraftModel, bits: int, group_size: int = 64,
-                     path_bits: dict[str, int] | None = None) -> dict:
-    """Quantize (affine) the linear and embedding layers whose input width splits into groups,
-    and a DFlash 2 drafter's codebooks (raw tensors: stored as ``X`` packed, ``X_scales``,
-    ``X_biases``); ``path_bits`` gives other bits to the layers under a path prefix (e.g.
-    ``{"markov_head": 4}``). Returns the config entry that :func:`save_drafter` needs."""
-    path_bits = path_bits or {}
-    overrides: dict[str, dict] = {}
-
-    def under(path: str, prefix: str) -> bool:
-        return path == prefix or path.startswith(prefix + ".")
-
-    def predicate(path: str, m: nn.Module) -> bool | dict:
-        if not (isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % group_size == 0):
-            return False
-        for prefix, b in path_bits.items():
-            if under(path, prefix):
-                overrides[path] = {"group_size": group_size, "bits": b}
-                return overrides[path]
-        return True
-
-    unknown = [p for p in path_bits
-               if not any(under(k, p) for k, _ in drafter.named_modules())]
-    if unknown:
-        raise ValueError(f"no drafter layers under {', '.join(unknown)}")
-    nn.quantize(drafter, group_size=group_size, bits=bits, class_predicate=predicate)
-    selector = getattr(drafter, "candidate_selector", None)
-    for name in ("predecessor_codebook", "successor_codebook") if selector else ():
-        if selector[name].shape[-1] % group_size:
-            continue
-        packed, scales, biases = mx.quantize(selector[name], group_size=group_size, bits=bits)
-        selector[name], selector[f"{name}_scales"], selector[f"{name}_biases"] = (
-            packed, scales, biases)
-    return {"quantization": {"group_size": group_size, "bits": bits, "mode": "affine",
-                             **overrides}}
-
-
-def save_drafter(drafter: DFlashDraftModel, path: str | Path, extra_config: dict | None = None):
-    """Write ``config.json`` + ``model.safetensors`` in the z-lab layout (atomically)."""
-    from ..convert.atomic import atomic_output_dir
-
-    config = drafter_config(drafter)
-    config.update(extra_config or {})
-    with atomic_output_dir(Path(path), overwrite=True) as tmp:
-        weights = dict(tree_flatten(drafter.parameters()))
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if drafter.ngram is not None:
-            drafter.ngram.save(tmp / NGRAM_FILE)
-    return Path(path)
-
-
-__all__ = ["DFlashDraftModel", "DFlash2DraftModel", "DSparkDraftModel", "DraftArgs",
-           "DrafterMismatchError", "check_fits", "load_drafter", "quantize_drafter",
-           "save_drafter", "drafter_config"]
+__all__ = ["ARCHITECTURES", "DFlash2Args", "DFlash2DraftModel", "DFlashDraftModel", "DSparkArgs",
+           "DSparkDraftModel", "DraftArgs", "DrafterMismatchError", "FAMILIES", "NOT_YET",
+           "check_fits", "drafter_family", "load_drafter", "resolve_path"]

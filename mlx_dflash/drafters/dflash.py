@@ -9,10 +9,11 @@ frequent first); then its head is those rows only and its drafts map back to tar
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..accept import SamplingParams, proposal_from_logits
 from ..ngram import NgramTable
@@ -30,11 +31,16 @@ class _Memo:
 
 
 class DFlashDraftModel(nn.Module):
-    family = "dflash"
+    family = "dflash"  # its name in drafters.registry (and train's --family)
+    args_class: ClassVar[type[DraftArgs]] = DraftArgs  # reads and writes its config.json
     layer_class = DraftLayer
     fixed_vocab = False  # families with per-token tables (DSpark, DFlash 2) fix it when built
     fixed_width = False  # a wider block than trained may be drafted (more drafts per pass)
     walk_candidates: int | None = None  # families with a sequential walk say how wide it is
+    # Training defaults: the loss weighs block position k by exp(-(k-1)/gamma), and the
+    # family's own term (aux_loss) by this weight; DFlash has no such term.
+    train_gamma: ClassVar[float] = 7.0
+    train_aux_weight: ClassVar[float] = 0.0
 
     def __init__(self, args: DraftArgs):
         super().__init__()
@@ -224,3 +230,34 @@ class DFlashDraftModel(nn.Module):
             mask = mx.concatenate([ctx_ok, blk_ok], axis=-1)[:, None]
             h = layer(h, keys, values, anchors, mask)
         return self.norm(h)
+
+    @classmethod
+    def train_fields(cls, options: Any) -> dict:
+        """The family's own args of a new drafter, from the training options (a
+        ``train.loop.TrainConfig``); raises ValueError on an option the family cannot take."""
+        return {}
+
+    def aux_loss(self, aux: Any, labels: mx.array, weights: mx.array,
+                 tv: Callable[[], mx.array]) -> mx.array | None:
+        """The family's own training term on the second output of ``train_logits``: weighted
+        by ``weights`` [N, n] (position decay times label validity), with ``tv()`` each
+        position's total variation from the target's distribution (computed once, on demand).
+        None: the family has none."""
+        return None
+
+    def val_metrics(self, logits: mx.array, aux: Any, labels: np.ndarray, valid: np.ndarray
+                    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Teacher-forced validation of ``train_logits``' outputs: the token the drafter would
+        pick at each position [N, n], and the family's own per-position counts (summed over
+        blocks, reported as shares of the valid positions)."""
+        return np.array(mx.argmax(logits, axis=-1)), {}
+
+    @property
+    def has_confidence(self) -> bool:
+        """Whether proposals carry a confidence (a head that training calibrates)."""
+        return False
+
+    def raw_weights(self) -> list[tuple[nn.Module, str]]:
+        """Weights held as plain arrays rather than in a Linear or Embedding layer that
+        quantizing the drafter packs too, as (owning module, name)."""
+        return []

@@ -14,16 +14,52 @@ Weight names follow the published DFlash2DraftModel checkpoints (SpecForge / SGL
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..accept import CandidateProposal, SamplingParams
 from ..kernels import path_select
 from .base import Proposal
 from .dflash import DFlashDraftModel
-from .layers import DraftArgs, DraftLayer
+from .layers import DraftArgs, DraftLayer, config_field
+
+
+@dataclass
+class DFlash2Args(DraftArgs):
+    """The published DFlash2DraftModel config: the sublayer convolutions and the path selector
+    (zero: not given, which the drafter refuses)."""
+
+    architecture: ClassVar[str] = "DFlash2DraftModel"
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+
+    @classmethod
+    def from_config(cls, config: dict, **family: Any) -> DFlash2Args:
+        def pick(name):
+            return int(config_field(config, name, 0) or 0)
+
+        return super().from_config(
+            config, conv_kernel_size=pick("conv_kernel_size"),
+            conv_group_size=pick("conv_group_size"), selector_rank=pick("selector_rank"),
+            selector_top_k=pick("selector_top_k"), **family)
+
+    def to_config(self) -> dict:
+        """The published layout: block size, convolution, selector and output scaling in
+        dflash_config, and whether the block attention is causal."""
+        config = super().to_config()
+        config["is_causal"] = self.layer_is_causal(0)
+        config["dflash_config"].update(
+            block_size=config.pop("block_size"), conv_kernel_size=self.conv_kernel_size,
+            conv_group_size=self.conv_group_size, selector_rank=self.selector_rank,
+            selector_top_k=self.selector_top_k, output_multiplier=self.output_multiplier,
+            final_logit_softcapping=self.final_logit_softcapping)
+        return config
 
 
 class GroupedConv(nn.Module):
@@ -66,7 +102,7 @@ class GroupedConv(nn.Module):
 
 
 class DFlash2Layer(DraftLayer):
-    def __init__(self, args: DraftArgs, layer_idx: int):
+    def __init__(self, args: DFlash2Args, layer_idx: int):
         super().__init__(args, layer_idx)
         conv = (args.hidden_size, args.conv_kernel_size, args.conv_group_size, args.block_size)
         self.attention_conv = GroupedConv(*conv)
@@ -139,12 +175,17 @@ def walk_path(first: mx.array, rest: mx.array, temperature: float = 0.0
 
 class DFlash2DraftModel(DFlashDraftModel):
     family = "dflash2"
+    args_class = DFlash2Args
+    args: DFlash2Args
     layer_class = DFlash2Layer
+    train_aux_weight = 1.0  # the selector's cross-entropy
     fixed_vocab = True
 
-    def __init__(self, args: DraftArgs):
-        missing = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
-                               "selector_top_k") if not getattr(args, k)]
+    def __init__(self, args: DFlash2Args):
+        needed = {"conv_kernel_size": args.conv_kernel_size,
+                  "conv_group_size": args.conv_group_size, "selector_rank": args.selector_rank,
+                  "selector_top_k": args.selector_top_k}
+        missing = [k for k, v in needed.items() if not v]
         if missing:
             raise ValueError(f"a DFlash 2 drafter needs dflash_config.{', '.join(missing)}")
         super().__init__(args)
@@ -189,3 +230,33 @@ class DFlash2DraftModel(DFlashDraftModel):
         cand, unary_k = sel.candidates(logits.astype(mx.float32))
         scores = sel.scores(cand, unary_k, hidden, self.prev_rows(prev))
         return logits, (scores, cand)
+
+    @classmethod
+    def train_fields(cls, options: Any) -> dict:
+        return dict(conv_kernel_size=options.conv_kernel_size,
+                    conv_group_size=options.conv_group_size,
+                    selector_rank=options.selector_rank, selector_top_k=options.selector_top_k)
+
+    def aux_loss(self, aux: tuple[mx.array, mx.array], labels: mx.array, weights: mx.array,
+                 tv: Callable[[], mx.array]) -> mx.array:
+        """The selector's cross-entropy over each position's K candidates given the true
+        previous token; positions whose label is not a candidate are left out."""
+        scores, cand = aux
+        hit = cand == labels[..., None]
+        covered = hit.any(axis=-1)
+        sel_ce = nn.losses.cross_entropy(scores, mx.argmax(hit, axis=-1), reduction="none")
+        ws = weights * covered
+        return (sel_ce * ws).sum() / mx.maximum(ws.sum(), 1e-6)
+
+    def val_metrics(self, logits: mx.array, aux: tuple[mx.array, mx.array], labels: np.ndarray,
+                    valid: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The selector's pick, and the recall of the candidates (label among them)."""
+        scores, cand = (np.array(a) for a in aux)
+        pred = np.take_along_axis(cand, scores.argmax(-1)[..., None], -1)[..., 0]
+        found = (cand == labels[..., None]).any(-1) & valid
+        return pred, {"recall": found.sum(axis=0)}
+
+    def raw_weights(self) -> list[tuple[nn.Module, str]]:
+        """The selector's codebooks (rows gathered, never multiplied as a matrix)."""
+        sel = self.candidate_selector
+        return [(sel, "predecessor_codebook"), (sel, "successor_codebook")]

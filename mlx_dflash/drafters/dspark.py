@@ -11,7 +11,8 @@ k survives given that the ones before it did. Weight names follow DeepSpec's Qwe
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,9 +20,58 @@ import mlx.nn as nn
 from ..accept import CandidateProposal, SamplingParams, sampling_logits
 from .base import Proposal
 from .dflash import DFlashDraftModel
-from .layers import DraftArgs
+from .layers import DraftArgs, config_field
 
 MARKOV_KINDS = ("vanilla", "gated", "rnn")
+
+
+@dataclass
+class DSparkArgs(DraftArgs):
+    """DeepSpec's Qwen3DSparkModel config: the Markov head (rank 0: none), the confidence head
+    and its calibration."""
+
+    architecture: ClassVar[str] = "Qwen3DSparkModel"
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = True
+    confidence_temperatures: list[float] | None = None
+    confidence_offsets: list[float] | None = None  # ours: c_k = sigmoid(logit_k / T_k + b_k)
+
+    @classmethod
+    def from_config(cls, config: dict, **family: Any) -> DSparkArgs:
+        """DeepSpec's layout (fields at the top level) or a SpecForge-style export's (in
+        dflash_config)."""
+
+        def pick(name, default=None):
+            return config_field(config, name, default)
+
+        return super().from_config(
+            config,
+            markov_rank=int(pick("markov_rank", 0) or 0),
+            markov_head_type=str(pick("markov_head_type", "vanilla")).lower(),
+            enable_confidence_head=bool(pick("enable_confidence_head", False)),
+            confidence_head_with_markov=bool(pick("confidence_head_with_markov", True)),
+            confidence_temperatures=pick("confidence_temperatures"),
+            confidence_offsets=pick("confidence_offsets"),
+            **family,
+        )
+
+    def to_config(self) -> dict:
+        """DeepSpec's layout: the dflash_config fields at the top level, then the heads'."""
+        config = super().to_config()
+        config.update(config.pop("dflash_config"), markov_rank=self.markov_rank,
+                      enable_confidence_head=self.enable_confidence_head,
+                      num_anchors=self.extra.get("num_anchors", 512))
+        if self.markov_rank:
+            config["markov_head_type"] = self.markov_head_type
+        if self.enable_confidence_head:
+            config["confidence_head_with_markov"] = self.confidence_head_with_markov
+        if self.confidence_temperatures:
+            config["confidence_temperatures"] = self.confidence_temperatures
+        if self.confidence_offsets and any(self.confidence_offsets):
+            config["confidence_offsets"] = self.confidence_offsets
+        return config
 
 
 class MarkovHead(nn.Module):
@@ -78,12 +128,16 @@ class ConfidenceHead(nn.Module):
 
 class DSparkDraftModel(DFlashDraftModel):
     family = "dspark"
+    args_class = DSparkArgs
+    args: DSparkArgs
+    train_gamma = 4.0  # g drafts a block: DeepSpec's decay
+    train_aux_weight = 1.0  # the confidence head's BCE
     fixed_vocab = True
     fixed_width = True  # g inputs give g drafts; the block never widens
     # Tokens a Markov walk step chooses among (the slot's top unary logits); 0: all of them.
     walk_candidates = 256
 
-    def __init__(self, args: DraftArgs):
+    def __init__(self, args: DSparkArgs):
         super().__init__(args)
         a = args
         n_out = a.draft_vocab_size or a.vocab_size
@@ -101,6 +155,29 @@ class DSparkDraftModel(DFlashDraftModel):
     def max_drafts(self) -> int:
         """g inputs give g drafts (the anchor slot predicts the first)."""
         return self.block_size
+
+    @property
+    def has_confidence(self) -> bool:
+        return "confidence_head" in self
+
+    @classmethod
+    def train_fields(cls, options: Any) -> dict:
+        """The Markov head as the options say; the confidence head when its loss counts."""
+        if options.markov_head_type not in MARKOV_KINDS:
+            raise ValueError(f"markov_head_type '{options.markov_head_type}' is not one of "
+                             f"{', '.join(MARKOV_KINDS)}")
+        return dict(markov_rank=options.markov_rank, markov_head_type=options.markov_head_type,
+                    enable_confidence_head=options.aux_weight > 0)
+
+    def aux_loss(self, aux: mx.array | None, labels: mx.array, weights: mx.array,
+                 tv: Callable[[], mx.array]) -> mx.array | None:
+        """The confidence head's BCE toward ``1 - TV``: the chance the target keeps a draft
+        drawn from the drafter's distribution."""
+        if aux is None:  # no confidence head
+            return None
+        soft = mx.stop_gradient(mx.clip(1.0 - tv(), 0.0, 1.0))
+        bce = nn.losses.binary_cross_entropy(aux, soft, with_logits=True, reduction="none")
+        return (bce * weights).sum() / mx.maximum(weights.sum(), 1e-6)
 
     def markov(self, prev: mx.array, hidden: mx.array, state: mx.array | None,
                w2_rows: mx.array | None = None):

@@ -8,7 +8,7 @@ as the block. At inference only the context K/V are cached; block K/V are rebuil
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -16,8 +16,22 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 
+Args = TypeVar("Args", bound="DraftArgs")
+
+
+def config_field(config: dict, name: str, default: Any = None) -> Any:
+    """A field of a drafter ``config.json``: from ``dflash_config`` if there, else the top level
+    (exports put the same fields in either place)."""
+    return (config.get("dflash_config") or {}).get(name, config.get(name, default))
+
+
 @dataclass
 class DraftArgs:
+    """What every family reads from config.json (DFlash's own args: the z-lab layout). A family
+    with more fields subclasses it, reads them in ``from_config`` and writes them in
+    ``to_config``."""
+
+    architecture: ClassVar[str] = "DFlashDraftModel"  # what to_config writes in architectures
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -46,18 +60,6 @@ class DraftArgs:
     verify_block_size: int | None = None
     # Reduced draft vocabulary: the head uses only these many target rows (ids in the weights).
     draft_vocab_size: int | None = None
-    # DSpark (zero rank: none): Markov head, confidence head, calibration temperatures.
-    markov_rank: int = 0
-    markov_head_type: str = "vanilla"
-    enable_confidence_head: bool = False
-    confidence_head_with_markov: bool = True
-    confidence_temperatures: list[float] | None = None
-    confidence_offsets: list[float] | None = None  # ours: c_k = sigmoid(logit_k / T_k + b_k)
-    # DFlash 2 (zero: none): the sublayer convolutions and the path selector.
-    conv_kernel_size: int = 0
-    conv_group_size: int = 0
-    selector_rank: int = 0
-    selector_top_k: int = 0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -66,13 +68,20 @@ class DraftArgs:
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
 
+    def layer_is_causal(self, layer_idx: int) -> bool:
+        """Whether a layer's block attention is causal; z-lab's rule: sliding layers are,
+        unless the config says otherwise."""
+        if self.is_causal is not None:
+            return bool(self.is_causal)
+        return self.layer_types[layer_idx] == "sliding_attention"
+
     @classmethod
-    def from_config(cls, config: dict) -> "DraftArgs":
-        """Read a z-lab style ``config.json`` (fields may sit at top level or in dflash_config)."""
-        dflash = config.get("dflash_config") or {}
+    def from_config(cls: type[Args], config: dict, **family: Any) -> Args:
+        """Read a z-lab style ``config.json`` (fields may sit at top level or in dflash_config);
+        ``family``: a subclass's own fields, which it reads itself."""
 
         def pick(name, default=None):
-            return dflash.get(name, config.get(name, default))
+            return config_field(config, name, default)
 
         missing = [
             k
@@ -117,17 +126,39 @@ class DraftArgs:
             input_embedding_scale=float(pick("input_embedding_scale", 1.0) or 1.0),
             verify_block_size=pick("verify_block_size"),
             draft_vocab_size=pick("draft_vocab_size"),
-            markov_rank=int(pick("markov_rank", 0) or 0),
-            markov_head_type=str(pick("markov_head_type", "vanilla")).lower(),
-            enable_confidence_head=bool(pick("enable_confidence_head", False)),
-            confidence_head_with_markov=bool(pick("confidence_head_with_markov", True)),
-            confidence_temperatures=pick("confidence_temperatures"),
-            confidence_offsets=pick("confidence_offsets"),
-            conv_kernel_size=int(pick("conv_kernel_size", 0) or 0),
-            conv_group_size=int(pick("conv_group_size", 0) or 0),
-            selector_rank=int(pick("selector_rank", 0) or 0),
-            selector_top_k=int(pick("selector_top_k", 0) or 0),
+            **family,
         )
+
+    def to_config(self) -> dict:
+        """The config.json that ``from_config`` reads back, in the z-lab layout."""
+        config = {
+            "architectures": [self.architecture],
+            "model_type": "qwen3",
+            "block_size": self.block_size,
+            "dflash_config": {"target_layer_ids": self.target_layer_ids,
+                              "mask_token_id": self.mask_token_id},
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "num_target_layers": self.num_target_layers,
+            "tie_word_embeddings": False,
+        }
+        if self.verify_block_size is not None:
+            config["verify_block_size"] = self.verify_block_size
+        if self.draft_vocab_size:
+            config["dflash_config"]["draft_vocab_size"] = self.draft_vocab_size
+        if self.sliding_window is not None:
+            config["layer_types"] = self.layer_types
+            config["sliding_window"] = self.sliding_window
+        return config
 
 
 class MLP(nn.Module):
@@ -244,10 +275,7 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         layer_type = args.layer_types[layer_idx]
         self.sliding_window = args.sliding_window if layer_type == "sliding_attention" else None
-        # z-lab's rule: sliding layers are causal unless the config says otherwise.
-        self.is_causal = (
-            layer_type == "sliding_attention" if args.is_causal is None else bool(args.is_causal)
-        )
+        self.is_causal = args.layer_is_causal(layer_idx)
 
     def __call__(self, x, ctx_keys, ctx_values, block_offset, mask) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), ctx_keys, ctx_values, block_offset, mask)

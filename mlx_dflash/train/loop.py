@@ -21,14 +21,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..drafters import (
-    DFlash2DraftModel,
-    DFlashDraftModel,
-    DraftArgs,
-    DSparkDraftModel,
-    load_drafter,
-    save_drafter,
-)
+from ..convert.save import save_drafter
+from ..drafters import DFlashDraftModel, load_drafter
+from ..drafters.registry import drafter_family
 from ..target import Target
 from .recipe import (
     Batch,
@@ -51,23 +46,24 @@ DEFAULT_MASK_TOKEN = {"smollm2": 16}
 class TrainConfig:
     store_dir: str
     out_dir: str
-    family: str = "dflash"  # or "dspark", "dflash2"
+    family: str = "dflash"  # a name in drafters.registry.FAMILIES
     block_size: int = 16
     num_layers: int | None = None  # None: 2, or as many as the drafter it starts from
-    markov_rank: int = 256  # DSpark only
-    markov_head_type: str = "vanilla"  # DSpark only
+    # Options a family reads when it builds a new drafter (its train_fields), others ignore.
+    markov_rank: int = 256  # DSpark
+    markov_head_type: str = "vanilla"  # DSpark
     mask_token_id: int | None = None
     draft_vocab_size: int | None = None  # None: the target's full head
     num_anchors: int = 32
-    gamma: float = 7.0
+    gamma: float | None = None  # position decay; None: the family's (train_gamma)
     ce_weight: float = 1.0
     tv_weight: float = 0.0
-    conf_weight: float = 1.0  # DSpark's confidence head
-    selector_weight: float = 1.0  # DFlash 2's selector cross-entropy
-    selector_rank: int = 256  # DFlash 2 only
-    selector_top_k: int = 16  # DFlash 2 only
-    conv_kernel_size: int = 2  # DFlash 2 only
-    conv_group_size: int = 16  # DFlash 2 only
+    # Weight of the family's own loss term (aux_loss); None: the family's (train_aux_weight).
+    aux_weight: float | None = None
+    selector_rank: int = 256  # DFlash 2
+    selector_top_k: int = 16  # DFlash 2
+    conv_kernel_size: int = 2  # DFlash 2
+    conv_group_size: int = 16  # DFlash 2
     learning_rate: float = 6e-4
     warmup: float = 0.04
     epochs: float = 3.0
@@ -87,6 +83,14 @@ class TrainConfig:
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        family = drafter_family(self.family)
+        if self.gamma is None:
+            self.gamma = family.train_gamma
+        if self.aux_weight is None:
+            self.aux_weight = family.train_aux_weight
+        family.train_fields(self)  # a bad family option fails here, before any training work
+
 
 def new_drafter(
     target: Target, config: TrainConfig, layer_ids: list[int], vocab: mx.array | None = None
@@ -94,7 +98,8 @@ def new_drafter(
     a = target.model.args
     if config.mask_token_id is None:
         raise ValueError("mask_token_id is required (the target's vocabulary has no MASK token)")
-    args = DraftArgs(
+    family = drafter_family(config.family)
+    args = family.args_class(
         hidden_size=target.hidden_size,
         num_hidden_layers=config.num_layers or 2,
         num_attention_heads=a.num_attention_heads,
@@ -110,20 +115,9 @@ def new_drafter(
         max_position_embeddings=getattr(a, "max_position_embeddings", None) or 8192,
         num_target_layers=target.num_layers,
         draft_vocab_size=None if vocab is None else int(vocab.shape[0]),
+        **family.train_fields(config),
     )
-    cls = DFlashDraftModel
-    if config.family == "dspark":
-        cls = DSparkDraftModel
-        args.markov_rank, args.markov_head_type = config.markov_rank, config.markov_head_type
-        args.enable_confidence_head = config.conf_weight > 0
-    elif config.family == "dflash2":
-        cls = DFlash2DraftModel
-        args.selector_rank, args.selector_top_k = config.selector_rank, config.selector_top_k
-        args.conv_kernel_size = config.conv_kernel_size
-        args.conv_group_size = config.conv_group_size
-    elif config.family != "dflash":
-        raise ValueError(f"unknown drafter family '{config.family}' (dflash, dspark or dflash2)")
-    drafter = cls(args)
+    drafter = family(args)
     if vocab is not None:
         drafter.set_draft_vocab(vocab)
     if config.init_from_target:
@@ -316,11 +310,8 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
 
     batch_of = Batches(store, drafter, config, scale)
     weights = position_weights(batch_of.n_labels + 1, config.gamma)
-    conf_weight = config.conf_weight if config.family == "dspark" else 0.0
-    selector_weight = config.selector_weight if config.family == "dflash2" else 0.0
     loss_and_grad = nn.value_and_grad(drafter, lambda b: block_loss(
-        drafter, target, b, weights, config.ce_weight, config.tv_weight, conf_weight,
-        selector_weight))
+        drafter, target, b, weights, config.ce_weight, config.tv_weight, config.aux_weight))
 
     def epoch_order(epoch: int) -> np.ndarray:
         return np.random.default_rng(config.seed + 1 + epoch).permutation(train_idx)
@@ -396,7 +387,7 @@ def train(model: Any, config: TrainConfig, progress: bool = True) -> DFlashDraft
     log.close()
     if state.get("step") != step:
         save_and_validate()
-    if "confidence_head" in drafter and len(val_idx) >= 4:
+    if drafter.has_confidence and len(val_idx) >= 4:
         calibration = calibrate(drafter, target, batch_of, val_idx)
         state["calibration"] = calibration
         _save(out, drafter, optimizer, state, scale)  # the temperatures go into config.json
@@ -459,21 +450,19 @@ def validate(drafter, target: Target, batch_of: Batches, idx, config: TrainConfi
     """Teacher-forced held-out metrics: per-position accuracy and the greedy acceptance length
     implied by each block's correct prefix (blocks whose labels all exist)."""
     gen = np.random.default_rng(12345)
-    correct_by_pos, valid_by_pos, recall_by_pos, prefix_lens = 0, 0, None, []
+    correct_by_pos, valid_by_pos, prefix_lens = 0, 0, []
+    counts: dict[str, np.ndarray] = {}  # the family's own metrics, per position
     for i in idx:
         batch = batch_of(int(i), gen, num_anchors=32)
         if batch is None:
             continue
         logits, aux = drafter.train_logits(target, batch.features, batch.blocks, batch.anchors,
                                            batch.prev)
-        pred = np.array(mx.argmax(logits, axis=-1))
         valid = np.array(batch.valid)
         labels = np.array(batch.labels)
-        if isinstance(aux, tuple):  # DFlash 2: the selector's pick, and candidate recall
-            scores, cand = (np.array(a) for a in aux)
-            pred = np.take_along_axis(cand, scores.argmax(-1)[..., None], -1)[..., 0]
-            found = (cand == labels[..., None]).any(-1) & valid
-            recall_by_pos = found.sum(axis=0) + (0 if recall_by_pos is None else recall_by_pos)
+        pred, found = drafter.val_metrics(logits, aux, labels, valid)
+        for name, n in found.items():
+            counts[name] = counts.get(name, 0) + n
         correct = (pred == labels) & valid
         correct_by_pos = correct_by_pos + correct.sum(axis=0)
         valid_by_pos = valid_by_pos + valid.sum(axis=0)
@@ -482,6 +471,6 @@ def validate(drafter, target: Target, batch_of: Batches, idx, config: TrainConfi
     accuracy = (np.asarray(correct_by_pos) / np.maximum(valid_by_pos, 1)).tolist()
     tau = 1.0 + float(np.mean(prefix_lens)) if prefix_lens else 1.0
     out = {"accuracy": accuracy, "expected_tau": tau, "blocks": len(prefix_lens)}
-    if recall_by_pos is not None:
-        out["recall"] = (np.asarray(recall_by_pos) / np.maximum(valid_by_pos, 1)).tolist()
+    for name, n in counts.items():
+        out[name] = (np.asarray(n) / np.maximum(valid_by_pos, 1)).tolist()
     return out

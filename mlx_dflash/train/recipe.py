@@ -8,11 +8,11 @@ block (bidirectionally), never other blocks; position k predicts token ``anchor+
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
@@ -135,14 +135,12 @@ def block_loss(
     weights: mx.array,
     ce_weight: float = 1.0,
     tv_weight: float = 0.0,
-    conf_weight: float = 0.0,
-    selector_weight: float = 0.0,
+    aux_weight: float = 0.0,
 ) -> tuple[mx.array, mx.array]:
     """Position-weighted CE on the target's tokens, total variation toward the target's
-    distribution, (DSpark) the confidence head's BCE toward ``1 - TV`` and (DFlash 2) the
-    selector's cross-entropy over each position's K candidates given the true previous token
-    (positions whose label is not a candidate left out), over all blocks of the batch.
-    Returns (loss, per-position accuracy).
+    distribution and the family's own term (``drafter.aux_loss``: DSpark's confidence BCE,
+    DFlash 2's selector CE), over all blocks of the batch. Returns (loss, per-position
+    accuracy).
 
     Labels outside the drafter's vocabulary count as wrong and are left out of the CE. The TV
     term knows the target's top-k only and treats the rest of its mass as unknown:
@@ -150,7 +148,6 @@ def block_loss(
     """
     logits, aux = drafter.train_logits(target, batch.features, batch.blocks, batch.anchors,
                                        batch.prev)
-    conf = aux if not isinstance(aux, tuple) else None
     logits = logits.astype(mx.float32)
     labels, valid = batch.labels, batch.valid
     w = weights[None, :] * valid
@@ -161,24 +158,19 @@ def block_loss(
         picked = mx.take_along_axis(logits, mx.maximum(labels, 0)[..., None], axis=-1)[..., 0]
         wc = w * (labels >= 0)
         loss = loss + ce_weight * ((lse - picked) * wc).sum() / mx.maximum(wc.sum(), 1e-6)
-    if tv_weight or (conf_weight and conf is not None):
+
+    @functools.cache
+    def tv() -> mx.array:  # built once, only if a term reads it
         known = batch.topk_ids >= 0
         q_k = mx.take_along_axis(q, mx.maximum(batch.topk_ids, 0), axis=-1) * known
-        tv = 0.5 * (mx.abs(q_k - batch.topk_probs * known).sum(-1) + 1.0 - q_k.sum(-1))
-        if tv_weight:
-            loss = loss + tv_weight * (tv * w).sum() / mx.maximum(total, 1e-6)
-        if conf_weight and conf is not None:
-            soft = mx.stop_gradient(mx.clip(1.0 - tv, 0.0, 1.0))
-            bce = nn.losses.binary_cross_entropy(conf, soft, with_logits=True,
-                                                 reduction="none")
-            loss = loss + conf_weight * (bce * w).sum() / mx.maximum(total, 1e-6)
-    if selector_weight and isinstance(aux, tuple):
-        scores, cand = aux
-        hit = cand == labels[..., None]
-        covered = hit.any(axis=-1)
-        sel_ce = nn.losses.cross_entropy(scores, mx.argmax(hit, axis=-1), reduction="none")
-        ws = w * covered
-        loss = loss + selector_weight * (sel_ce * ws).sum() / mx.maximum(ws.sum(), 1e-6)
+        return 0.5 * (mx.abs(q_k - batch.topk_probs * known).sum(-1) + 1.0 - q_k.sum(-1))
+
+    if tv_weight:
+        loss = loss + tv_weight * (tv() * w).sum() / mx.maximum(total, 1e-6)
+    if aux_weight:
+        extra = drafter.aux_loss(aux, labels, w, tv)
+        if extra is not None:
+            loss = loss + aux_weight * extra
     correct = (mx.argmax(logits, axis=-1) == labels) * valid
     accuracy = correct.sum(axis=0) / mx.maximum(valid.sum(axis=0), 1)
     return loss, accuracy
