@@ -1,13 +1,15 @@
 """Eval-file acceptance of the shipped DSpark lineage against its cumulative training hours.
 
-    python scripts/lineage_curve.py docs/eval_dspark_s3.json:dspark-shipped@0.75=s2 ... \
-        --plot docs/lineage_dspark.png
+    python scripts/lineage_curve.py \
+        "results/eval_dspark_2026-12-01_1.67h.json:dspark-0.75h@0.75=2026-12-01 00:57" ... \
+        --plot results/lineage_dspark_DATE.png
 
 Each spec names an eval_drafters.py JSON, the drafter label inside it, the training hours
-behind that drafter and a label. Plots mean acceptance at B = 8 (exact greedy simulation, 16
-prompts per domain), drafter alone and with copy lookups (n = 2, the rule every session
-measured), one line per domain, on a log2 hour axis: a straight line is a constant gain per
-doubling of training time.
+behind that drafter and a label (its version: the date it shipped), written along the top.
+Plots mean acceptance at B = 8 (exact greedy simulation, 16 prompts per domain), drafter
+alone and with copy lookups (n = 2, the rule every evaluation of the lineage measured), one
+line per domain, on a log2 hour axis: a straight line is a constant gain per doubling of
+training time.
 """
 
 import argparse
@@ -43,10 +45,11 @@ def main() -> None:
         for j, style in enumerate(("-", "--")):
             ax.plot(hours, [p[2][domain][j] for p in points], style, marker="o", color=f"C{i}",
                     label=f"{domain}{' + copy' if j else ''}")
-    for h, label, _ in points:
-        ax.annotate(label, (h, ax.get_ylim()[0]), fontsize=8, ha="center", va="bottom")
     ax.set_xscale("log", base=2)
     ax.set_xticks([0.5, 1, 2, 4, 8, 16], ["0.5", "1", "2", "4", "8", "16"])
+    top = ax.secondary_xaxis("top")
+    top.set_xticks([p[0] for p in points], [p[1] for p in points], rotation=90, fontsize=7)
+    top.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set(title="DSpark lineage on the eval files (B = 8, exact greedy simulation)",
            xlabel="cumulative training hours (2-core CPU, log2)", ylabel="mean acceptance length")
     ax.grid(alpha=0.3)
