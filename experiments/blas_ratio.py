@@ -1,7 +1,8 @@
 """Measure the target's verify/decode cost ratio with MLX's bundled BLAS and with the fast one.
 
-Each setting runs in a fresh process (the BLAS is chosen at load time). Writes docs/blas.md.
-Usage: python scripts/blas_ratio.py [--model DIR]
+Each setting runs in a fresh process (the BLAS is chosen at load time). Writes a Markdown table
+(default results/blas_ratio.md; the figures of 2026-11-30 are in docs/blas.md).
+Usage: python experiments/blas_ratio.py [--model DIR] [--out FILE.md]
 """
 
 import argparse
@@ -29,7 +30,7 @@ print(json.dumps(out))
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
-    parser.add_argument("--out", default="docs/blas.md")
+    parser.add_argument("--out", default="results/blas_ratio.md")
     args = parser.parse_args()
     model = args.model
     if model is None:
@@ -47,7 +48,7 @@ def main() -> None:
         "",
         f"Machine: {platform.platform()}, {os.cpu_count()} cores. Target: SmolLM2-135M-Instruct "
         "float32 (`" + Path(model).name + "`), cache of 256 tokens, best of 5 runs each.",
-        "Command: `python scripts/blas_ratio.py`",
+        "Command: `python experiments/blas_ratio.py`",
         "",
         "| BLAS | library | 1-token decode | 4-token verify | 8-token verify | 16-token verify "
         "| ratio B=4 | ratio B=8 | ratio B=16 |",

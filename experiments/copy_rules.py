@@ -1,7 +1,7 @@
 """Copy lookup or drafter block, cycle by cycle: rules that read the DSpark drafter's
 confidence, by exact greedy simulation on the eval files (B = 8, 16 prompts per domain).
 
-    python scripts/copy_rules.py [DRAFTER] [--json OUT]
+    python experiments/copy_rules.py [DRAFTER] [--json results/copy_rules_DATE.json]
 
 The decode loop verifies a copy whenever one is found (longest window 4, 3, then 2), without
 a drafter pass. The rules here may ask the drafter first: E_d is its expected accepted length
@@ -11,10 +11,14 @@ slot's confidence, n the copy's window. "oracle" takes whichever block accepts m
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import mlx_dflash  # noqa: F401  (fast BLAS first)
 import numpy as np
-from eval_drafters import FILES, block_predictions, prefix_match
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from eval_drafters import FILES, block_predictions, prefix_match  # noqa: E402
 
 from mlx_dflash.bench import load_prompt_sets
 from mlx_dflash.cli.common import load_pair

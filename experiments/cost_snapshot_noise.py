@@ -1,8 +1,9 @@
 """How steady the block scheduler's one-time cost snapshot is: the passes timed one after the
-other (best of 2 each, the snapshot before session 12) against timed in turn within each round
+other (best of 2 each, the snapshot before 2026-12-03) against timed in turn within each round
 (``best_times``, best of 5), taking turns in one process, and a long in-turn reference.
 
-Usage: python scripts/cost_snapshot_noise.py [--trials 4] [--block-size 8] [--json OUT]
+Usage: python experiments/cost_snapshot_noise.py [--trials 4] [--block-size 8] \
+           [--json results/cost_snapshot_noise_DATE.json]
 Run it on a quiet machine: the point is the spread between trials, not load.
 """
 

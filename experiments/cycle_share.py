@@ -1,7 +1,7 @@
 """The drafter's share of a speculative cycle, with its reduced vocabulary and with the full
 head, side by side (default target, float32, 256 tokens of context).
 
-    python scripts/cycle_share.py [DRAFTER] [--blocks 4 8 16]
+    python experiments/cycle_share.py [DRAFTER] [--blocks 4 8 16]
 
 A cycle is one drafter pass plus one verify pass of B tokens; loop bookkeeping is left out.
 """

@@ -1,7 +1,7 @@
 """The scheduler alone on the hostile prompts: plain mlx-lm against the default settings with
 copy drafts off, interleaved prompt by prompt.
 
-    python scripts/hostile_no_copy.py [docs/hostile_prompts.jsonl]
+    python experiments/hostile_no_copy.py [docs/hostile_prompts.jsonl]
 """
 
 import json

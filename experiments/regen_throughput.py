@@ -1,6 +1,6 @@
 """Regeneration throughput, side by side on the same prompts (default target, float32).
 
-    python scripts/regen_throughput.py [--prompts FILE] [--n 128]
+    python experiments/regen_throughput.py [--prompts FILE] [--n 128]
 
   before      mlx-lm's continuous-batching batch_generate, tokens only (the previous pipeline;
               its features were computed by a second target pass during training)

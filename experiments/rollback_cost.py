@@ -11,7 +11,7 @@ verify cycle of B tokens and rolls back to ``accepted + 1`` of them, for each st
 
 Reported per B and accepted count: verify time, rollback time (both evaluated), their sum (the
 cycle), extra bytes the pass holds for the rollback, and the peak-memory rise over the cycle.
-Usage: python scripts/rollback_cost.py [--hidden 1024] [--layers 12] [--context 512]
+Usage: python experiments/rollback_cost.py [--hidden 1024] [--layers 12] [--context 512]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (default target, float32, 256 tokens of context), side by side with the same drafter's pass
 without it (what a DFlash drafter of the same size costs).
 
-    python scripts/selector_share.py DFLASH2_DRAFTER [--blocks 4 8 16]
+    python experiments/selector_share.py DFLASH2_DRAFTER [--blocks 4 8 16]
 """
 
 import argparse

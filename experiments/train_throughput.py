@@ -1,17 +1,18 @@
 """Training throughput, side by side: block positions per second of a drafter step.
 
-    python scripts/train_throughput.py STORE [--steps 8]
+    python experiments/train_throughput.py STORE [--steps 8]
 
 Every variant trains on the same store sequences (4 a step), interleaved step by step:
   before        the issue's baseline: DFlash block 16, the target's full 49k-row head, CE,
-                32 anchors, one forward per sequence, session 5's attention and loss code
-  s5 dspark     session 5's shipped recipe and code: DSpark g = 7, 16k draft vocabulary,
+                32 anchors, one forward per sequence, the old attention and loss code
+  old dspark    the DSpark recipe of 2026-12-01 on the old code: g = 7, 16k draft vocabulary,
                 0.1 CE + 1.8 TV + confidence BCE, 16 anchors, one forward per sequence
-  now dflash    the baseline's recipe on today's code (matmul attention over shared contexts,
+  now dflash    the baseline's recipe on the current code (matmul attention over shared contexts,
                 one-pass softmax; its 32 x 16 block rows a sequence are not collated)
-  now dspark    session 5's recipe on today's code (the step's sequences collated)
-"Session 5's code" is kept here as a reference: SDPA over broadcast copies of each context and
-MLX's own softmax / cross-entropy (see mlx_dflash/train/softmax.py for why they are slow here).
+  now dspark    the DSpark recipe on the current code (the step's sequences collated)
+"The old code" (the training step as of 2026-12-01) is kept here as a reference: SDPA over
+broadcast copies of each context and MLX's own softmax / cross-entropy (see
+mlx_dflash/train/softmax.py for why they are slow here).
 """
 
 import argparse
@@ -36,7 +37,7 @@ from mlx_dflash.train.recipe import block_loss, position_weights, step_gradients
 from mlx_dflash.train.store import FeatureStore
 
 
-def _s5_attention(self, x, ctx_keys, ctx_values, block_offset, mask):
+def _old_attention(self, x, ctx_keys, ctx_values, block_offset, mask):
     N, B, _ = x.shape
     queries = self.q_norm(self._heads(self.q_proj(x), self.n_heads))
     keys = self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads))
@@ -53,15 +54,15 @@ def _s5_attention(self, x, ctx_keys, ctx_values, block_offset, mask):
     return self.o_proj(out.transpose(0, 2, 1, 3).reshape(N, B, -1))
 
 
-def _s5_softmax_logsumexp(logits):
+def _old_softmax_logsumexp(logits):
     return mx.softmax(logits, axis=-1), mx.logsumexp(logits, axis=-1)
 
 
 @contextmanager
-def session5_code():
+def old_code():
     attn, sm = layers.InjectedAttention.__call__, recipe.softmax_logsumexp
-    layers.InjectedAttention.__call__ = _s5_attention
-    recipe.softmax_logsumexp = _s5_softmax_logsumexp
+    layers.InjectedAttention.__call__ = _old_attention
+    recipe.softmax_logsumexp = _old_softmax_logsumexp
     try:
         yield
     finally:
@@ -88,7 +89,7 @@ def main() -> None:
     dspark = load_drafter(args.dspark, model=target, dtype=mx.float32)
     variants = {}
     for name, drafter, cfg, old in [("before", dflash, dflash_cfg, True),
-                                    ("s5 dspark", dspark, dspark_cfg, True),
+                                    ("old dspark", dspark, dspark_cfg, True),
                                     ("now dflash", dflash, dflash_cfg, False),
                                     ("now dspark", dspark, dspark_cfg, False)]:
         drafter.train()
@@ -108,8 +109,8 @@ def main() -> None:
             seqs = [s for s in seqs if s is not None]
             mx.eval(seqs)
             tic = time.perf_counter()
-            if old:  # one forward per sequence, gradients summed (session 5's loop)
-                with session5_code():
+            if old:  # one forward per sequence, gradients summed (the old loop)
+                with old_code():
                     total = None
                     for s in seqs:
                         (loss, _), grads = fn(s)
@@ -124,7 +125,7 @@ def main() -> None:
     rates = {name: positions[name] / seconds[name] for name in variants}
     for name, rate in rates.items():
         print(f"{name:12s} {rate:8.0f} block positions/s  ({rate / rates['before']:.2f}x "
-              f"before, {rate / rates['s5 dspark']:.2f}x s5 dspark)")
+              f"before, {rate / rates['old dspark']:.2f}x old dspark)")
     print(json.dumps(rates))
 
 

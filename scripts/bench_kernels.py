@@ -6,7 +6,7 @@ DFlash 2 selector walk (greedy and sampled), on a vocabulary of V, L drafts, K c
 
 On a Mac with Metal it times both paths on the GPU and first checks that the kernels agree
 with the MLX path on these inputs (the kernels have only run in the C++ harness before):
-    python scripts/bench_kernels.py --json docs/kernels_bench_mac.json
+    python scripts/bench_kernels.py --json results/kernels_bench_mac_DATE.json
 Elsewhere (or with --cpu) it times the MLX path on the CPU.
 
 Prints a markdown table (median milliseconds per call = per cycle).

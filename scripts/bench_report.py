@@ -1,6 +1,6 @@
 """Turn `mlx-dflash bench --json` output into BENCHMARKS.md tables and a PNG plot.
 
-Usage: python scripts/bench_report.py results.json [--plot docs/bench.png]
+Usage: python scripts/bench_report.py results/bench_NAME.json [--plot results/bench_NAME.png]
 Prints the Markdown; the plot needs matplotlib (pip install matplotlib).
 """
 

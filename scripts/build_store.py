@@ -1,9 +1,10 @@
 """Fill a feature store from the train prompt sets in an interleaved order, resumably.
 
-The order the stores of sessions 5-13 used: each file from a starting fraction onward (so a
-new store can cover rows an earlier, lost one never reached), then its rows before it,
-4 math : 3 chat : 2 code (stdlib docstring prompts), so that a store stopped early still
-holds every domain. Rerun the same command to continue; the store skips the ids it holds.
+The order the DSpark lineage's stores have used since 2026-12-01: each file from a starting
+fraction onward (so a new store can cover rows an earlier, lost one never reached), then its
+rows before it, 4 math : 3 chat : 2 code (stdlib docstring prompts), so that a store stopped
+early still holds every domain. Rerun the same command to continue; the store skips the ids it
+holds.
 
 Usage: python scripts/build_store.py STORE [--start 0.5] [--workers 2] [--drafter NAME]
 Eval files are never read. Taps: the drafter's (default: the shipped one), so its lineage

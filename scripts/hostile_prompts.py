@@ -2,6 +2,9 @@
 match (the scheduler must then decode plainly, not slower).
 
     python scripts/hostile_prompts.py docs/hostile_prompts.jsonl [--n 16]
+
+docs/hostile_prompts.jsonl, the set `mlx-dflash bench` runs in BENCHMARKS.md, is this script's
+output with --n 8.
 """
 
 import argparse

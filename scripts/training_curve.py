@@ -1,6 +1,7 @@
 """Plot held-out acceptance against training time for one or more runs.
 
-    python scripts/training_curve.py RUN_DIR[=LABEL][@HOURS] ... --plot docs/training_curve.png
+    python scripts/training_curve.py RUN_DIR[=LABEL][@HOURS] ... \
+        --plot results/training_curve_DATE.png
 
 ``@HOURS`` shifts a run that continued from an earlier checkpoint by the training hours behind
 it, so that a lineage of runs reads as one curve.
