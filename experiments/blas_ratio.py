@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model
     if model is None:
-        from mlx_dflash.default_target import ensure_default_target
+        from mlx_dflash.default_pair import ensure_default_target
 
         model = str(ensure_default_target())
     rows = {}

@@ -22,8 +22,9 @@ from eval_drafters import FILES, block_predictions, prefix_match  # noqa: E402
 
 from mlx_dflash.bench import load_prompt_sets
 from mlx_dflash.cli.common import load_pair
-from mlx_dflash.decode import as_target, stream_generate
-from mlx_dflash.default import resolve_drafter
+from mlx_dflash.decode import stream_generate
+from mlx_dflash.target import as_target
+from mlx_dflash.drafters.shipped import resolve_drafter
 from mlx_dflash.drafters import load_drafter
 from mlx_dflash.lookup import CopyIndex
 

@@ -14,8 +14,8 @@ import platform
 import mlx_dflash  # noqa: F401  (fast BLAS first)
 import numpy as np
 
-from mlx_dflash.decode import as_target
-from mlx_dflash.default import load_default
+from mlx_dflash.target import as_target
+from mlx_dflash.default_pair import load_default
 from mlx_dflash.schedule import _sizes, best_time, best_times, snapshot_passes
 
 CONTEXT = 128

@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from mlx_dflash.bench import measure_pass_costs
 from mlx_dflash.cli.common import load_pair
-from mlx_dflash.default import resolve_drafter
+from mlx_dflash.drafters.shipped import resolve_drafter
 from mlx_dflash.drafters import load_drafter
 
 

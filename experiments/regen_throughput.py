@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import batch_generate
 
-from mlx_dflash.default_target import ensure_default_target
+from mlx_dflash.default_pair import ensure_default_target
 from mlx_dflash.target import Target
 from mlx_dflash.train.data import read_prompts
 from mlx_dflash.train.store import FeatureStore, build_store, build_store_parallel

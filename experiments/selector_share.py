@@ -14,8 +14,8 @@ import mlx.core as mx
 from mlx_dflash.accept import SamplingParams
 from mlx_dflash.bench import measure_pass_costs
 from mlx_dflash.cli.common import load_pair
-from mlx_dflash.decode import as_target
-from mlx_dflash.default import resolve_drafter
+from mlx_dflash.target import as_target
+from mlx_dflash.drafters.shipped import resolve_drafter
 from mlx_dflash.schedule import best_time
 
 
@@ -39,7 +39,7 @@ def main() -> None:
         width = max(B, drafter.block_size)
         verify = measure_pass_costs(model, B, context=args.context)["verify_s"]
         with_selector = best_time(lambda w=width, k=B - 1: mx.eval(drafter.propose(
-            target, anchor, cache, w, k, SamplingParams())[0]), 5)
+            target, anchor, cache, w, k, SamplingParams()).drafts), 5)
         without = best_time(lambda w=width, k=B - 1: mx.eval(mx.argmax(drafter.draft_logits(
             target, anchor, cache, w, k), axis=-1)), 5)
         cycle = with_selector + verify

@@ -29,7 +29,7 @@ from mlx_lm import load
 
 import mlx_dflash.drafters.layers as layers
 import mlx_dflash.train.recipe as recipe
-from mlx_dflash.default_target import ensure_default_target
+from mlx_dflash.default_pair import ensure_default_target
 from mlx_dflash.drafters import load_drafter
 from mlx_dflash.target import Target
 from mlx_dflash.train.loop import Batches, TrainConfig, feature_scale, new_drafter

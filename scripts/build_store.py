@@ -15,8 +15,8 @@ import argparse
 import itertools
 
 import mlx_dflash  # noqa: F401  (fast BLAS first)
-from mlx_dflash.default import resolve_drafter
-from mlx_dflash.default_target import ensure_default_target
+from mlx_dflash.drafters.shipped import resolve_drafter
+from mlx_dflash.default_pair import ensure_default_target
 from mlx_dflash.drafters import load_drafter
 from mlx_dflash.train.data import read_prompts, stdlib_code_prompts
 from mlx_dflash.train.store import build_store_parallel

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dflash.cli.common import load_pair
-from mlx_dflash.decode import as_target
+from mlx_dflash.target import as_target
 from mlx_dflash.train.loop import Batches, TrainConfig, calibrate
 from mlx_dflash.train.store import FeatureStore
 

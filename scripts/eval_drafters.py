@@ -31,8 +31,9 @@ import numpy as np
 
 from mlx_dflash.bench import load_prompt_sets
 from mlx_dflash.cli.common import load_pair
-from mlx_dflash.decode import as_target, stream_generate
-from mlx_dflash.default import resolve_drafter
+from mlx_dflash.decode import stream_generate
+from mlx_dflash.target import as_target
+from mlx_dflash.drafters.shipped import resolve_drafter
 from mlx_dflash.drafters import load_drafter
 from mlx_dflash.lookup import CopyIndex
 from mlx_dflash.schedule import Scheduler, measure_costs
@@ -60,20 +61,20 @@ def block_predictions(drafter, target, full: list[int], P: int, confidence: bool
     ``confidence``, also a DSpark drafter's calibrated per-slot confidences (same shape)."""
     T = len(full)
     _, feats = target.hidden_states(mx.array(full)[None], None, drafter.target_layer_ids)
-    n = getattr(drafter, "max_drafts", drafter.block_size - 1)
+    n = drafter.max_drafts
     anchors = np.arange(P, T - 1)
     padded = np.array(full + [0] * (n + 1))
     blocks = np.full((len(anchors), drafter.block_size), drafter.mask_token_id)
     blocks[:, 0] = padded[anchors]
     prev = padded[anchors[:, None] + np.arange(n)[None]]  # the anchor, then true tokens
     # DSpark: the walk picks among each slot's top unary candidates (walk_candidates).
-    kw = {"candidates": drafter.walk_candidates} if hasattr(drafter, "walk_candidates") else {}
+    kw = {"candidates": drafter.walk_candidates} if drafter.walk_candidates else {}
     logits, aux = drafter.train_logits(target, feats, mx.array(blocks), mx.array(anchors),
                                        mx.array(prev), **kw)
-    idx = mx.argmax(logits, axis=-1)
-    if isinstance(aux, tuple):  # DFlash 2: the selector's pick given the true previous token
-        scores, cand = aux
-        idx = mx.take_along_axis(cand, mx.argmax(scores, axis=-1)[..., None], axis=-1)[..., 0]
+    # The family's pick (DFlash 2: the selector's, given the true previous token).
+    labels = padded[anchors[:, None] + 1 + np.arange(logits.shape[1])[None]]
+    idx, _ = drafter.val_metrics(logits, aux, labels, np.ones(labels.shape, dtype=bool))
+    idx = mx.array(idx)
     if drafter.vocab_ids is not None:
         idx = drafter.vocab_ids[idx]
     if confidence:
@@ -173,10 +174,10 @@ def main() -> None:
         for name, drafter in drafters.items():
             preds = [block_predictions(drafter, target, full, P) for full, P in seqs]
             for K in [b - 1 for b in args.blocks]:
-                if K > getattr(drafter, "max_drafts", K):
+                if drafter.fixed_width and K > drafter.max_drafts:
                     continue
                 for rule, (ngram, use_table) in RULES.items():
-                    table = getattr(drafter, "ngram", None) if use_table else None
+                    table = drafter.ngram if use_table else None
                     if use_table and table is None:
                         continue
                     tokens = cycles = copies = 0

@@ -14,7 +14,7 @@ other bits (the shipped DSpark drafter: its Markov tables at 4 bits keep the fil
 import argparse
 
 from mlx_dflash import load_drafter, save_drafter  # first: it loads the fast BLAS
-from mlx_dflash.drafters import quantize_drafter
+from mlx_dflash.convert.save import quantize_drafter
 
 import mlx.core as mx  # noqa: E402
 
