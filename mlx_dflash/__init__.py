@@ -4,24 +4,38 @@ from ._blas import load_fast_blas
 
 load_fast_blas()  # must run before the first `import mlx` in the process
 
-from .decode import GenerationResponse, GenerationStats, generate, stream_generate  # noqa: E402
-from .default_pair import load_default  # noqa: E402
+from .batch import BatchEngine, batch_generate  # noqa: E402
 from .convert.save import save_drafter  # noqa: E402
+from .decode import (  # noqa: E402
+    GenerationResponse,
+    GenerationStats,
+    generate,
+    stream_generate,
+    stream_generate_cached,
+)
+from .default_pair import load_default  # noqa: E402
 from .drafters import DrafterMismatchError, load_drafter  # noqa: E402
+from .pair_cache import PairCache  # noqa: E402
+from .prefix_cache import PrefixCache  # noqa: E402
 from .target import Target  # noqa: E402
 
 __version__ = "0.1.0"
 
 
 __all__ = [
+    "BatchEngine",
     "DrafterMismatchError",
     "GenerationResponse",
     "GenerationStats",
+    "PairCache",
+    "PrefixCache",
     "Target",
+    "batch_generate",
     "generate",
     "load_default",
     "load_drafter",
     "save_drafter",
     "stream_generate",
+    "stream_generate_cached",
     "__version__",
 ]

@@ -12,7 +12,7 @@ from .app import app, fail
 from .common import PrefillProgress, load_pair
 
 COMMANDS = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
-SESSION_ENTRIES = 3  # cache entries a chat keeps: its last reply, and checkpoints
+CONVERSATION_ENTRIES = 3  # cache entries a chat keeps: its last reply, and checkpoints
 
 
 def estimate_speedup(stats: Any, costs: Any, context: int) -> float:
@@ -119,7 +119,7 @@ def chat(
         pass
     start = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages = list(start)
-    session = PrefixCache(1 << 62, max_entries=SESSION_ENTRIES)  # this conversation's caches
+    conversation = PrefixCache(1 << 62, max_entries=CONVERSATION_ENTRIES)  # its caches
     while True:
         try:
             text = input(">> ")
@@ -133,7 +133,7 @@ def chat(
             return
         if stripped == "/reset":
             messages = list(start)
-            session.clear()
+            conversation.clear()
             typer.echo("[conversation cleared]", err=True)
             continue
         if stripped == "/help":
@@ -148,7 +148,7 @@ def chat(
         progress = PrefillProgress()
         reply, last = [], None
         gen = stream_generate_cached(
-            session, target, draft, tokenizer, prompt, take=True, max_tokens=max_tokens,
+            conversation, target, draft, tokenizer, prompt, take=True, max_tokens=max_tokens,
             temperature=temp, top_p=top_p, top_k=top_k, block_size=block_size,
             prompt_progress=progress, copy_drafts=copy,
         )
