@@ -36,6 +36,7 @@ from .drafters import check_fits
 from .drafters.base import Drafter, drafting, verify_width
 from .policy import COPY_DRAFTS, COPY_NGRAM, BlockPolicy
 from .prompts import encode_prompt
+from .schedule import kv_bytes_per_position, memory_headroom
 from .target import FULL, as_target, filled_kv
 
 
@@ -81,7 +82,7 @@ class BatchEngine:
     def __init__(self, model: Any, drafter: Drafter | None, tokenizer: Any, *,
                  max_batch: int = 8, block_size: int | None = None, schedule: bool = True,
                  copy_drafts: bool = COPY_DRAFTS, copy_ngram: int = COPY_NGRAM,
-                 prefill_step_size: int = DEFAULT_PREFILL_STEP):
+                 prefill_step_size: int = DEFAULT_PREFILL_STEP, reserve_bytes: int = 256 << 20):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.target = as_target(model)
@@ -101,6 +102,8 @@ class BatchEngine:
         self.auto = block_size is None and schedule
         self.copy_drafts, self.copy_ngram = copy_drafts, copy_ngram
         self.max_batch, self.prefill_step = max_batch, prefill_step_size
+        self.reserve_bytes = reserve_bytes
+        self.position_bytes = kv_bytes_per_position(self.target)
         self.layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
         self.cache = [RaggedKVCache() for _ in range(self.target.num_layers)]
         self.waiting: deque[_Request] = deque()
@@ -134,13 +137,25 @@ class BatchEngine:
         """Admit what fits, then run one batched cycle; the responses it produced."""
         responses: list[tuple[int, GenerationResponse]] = []
         self.waiting = deque(r for r in self.waiting if not r.cancelled)
-        while self.waiting and len(self.running) < self.max_batch:
+        while (self.waiting and len(self.running) < self.max_batch
+               and self._fits(self.waiting[0])):
             self._admit(self.waiting.popleft(), responses)
         self._leave()
         if self.running:
             self._cycle(responses)
             self._leave()
         return responses
+
+    def _fits(self, r: _Request) -> bool:
+        """Whether free memory holds one more row for this request at its full length: the
+        batch cache's rows all grow to the longest, and rejected tails leave holes (counted
+        twice over). Waiting requests stay queued until it does; alone, one always runs."""
+        if not self.running:
+            return True
+        longest = max(len(x.tokens) + x.max_tokens for x in (*self.running, r))
+        need = 2 * self.position_bytes * (longest + self.width) * (len(self.running) + 1)
+        held = sum(layer.nbytes for layer in self.cache)
+        return memory_headroom() + held - self.reserve_bytes >= need
 
     def _admit(self, r: _Request, responses: list) -> None:
         """Prefill a request alone, commit its first token and add it as a batch row."""

@@ -30,6 +30,14 @@ def load_prompt_sets(files: list[str], limit: int | None) -> dict[str, list[str]
     return sets
 
 
+def chat_prompt(tokenizer: Any, text: str) -> list[int]:
+    """A user turn through the chat template (the text alone without one)."""
+    if getattr(tokenizer, "has_chat_template", False):
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True)
+    return tokenizer.encode(text)
+
+
 def measure_pass_costs(
     model: Any, block_size: int, drafter: Any = None, context: int = 256, reps: int = 5
 ) -> dict:
@@ -82,12 +90,6 @@ def run_bench(
     scheduler, copy drafts as the package default), interleaved prompt by prompt."""
     from tqdm import tqdm
 
-    def chat(text: str) -> list[int]:
-        if getattr(tokenizer, "has_chat_template", False):
-            return tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                 add_generation_prompt=True)
-        return tokenizer.encode(text)
-
     results: dict[str, Any] = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "device": str(mx.default_device()), "mlx": mx.__version__},
@@ -120,7 +122,7 @@ def run_bench(
                        "ngram_cycles": 0}
                 for name, (B, _) in variants.items()}
         for text in prompts:
-            prompt = chat(text)
+            prompt = chat_prompt(tokenizer, text)
             ref, elapsed = _plain(model, tokenizer, prompt, max_tokens)
             plain_tokens += len(ref)
             plain_time += elapsed
@@ -222,12 +224,6 @@ def run_batch_bench(
     from mlx_lm import batch_generate as mlx_batch_generate
     from tqdm import tqdm
 
-    def chat(text: str) -> list[int]:
-        if getattr(tokenizer, "has_chat_template", False):
-            return tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                 add_generation_prompt=True)
-        return tokenizer.encode(text)
-
     def one_by_one(group: list[list[int]]) -> tuple[list[list[int]], float, dict]:
         tic, outs, first, finish = time.perf_counter(), [], [], []
         for prompt in group:
@@ -255,7 +251,7 @@ def run_batch_bench(
     bar = tqdm(total=total * (1 + len(variants)), desc="batch bench", unit="run",
                disable=not progress)
     for domain, texts in prompt_sets.items():
-        prompts = [chat(t) for t in texts]
+        prompts = [chat_prompt(tokenizer, t) for t in texts]
         entry = results["domains"][domain] = {}
         for c in concurrency:
             groups = [prompts[i : i + c] for i in range(0, len(prompts) - c + 1, c)]

@@ -161,11 +161,17 @@ def bytes_per_verified_token(target: Target) -> int:
     """Working memory one more verified token needs: its logits, its activations through a
     layer, and its K/V in every layer (float32 upper bound)."""
     args = target.model.args
+    return (4 * (3 * target.vocab_size + 8 * getattr(args, "intermediate_size",
+                                                      4 * args.hidden_size))
+            + kv_bytes_per_position(target))
+
+
+def kv_bytes_per_position(target: Target) -> int:
+    """Bytes one position's keys and values take in every layer (float32 upper bound)."""
+    args = target.model.args
     heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
-    kv = 2 * target.num_layers * heads * head_dim
-    return 4 * (3 * target.vocab_size + 8 * getattr(args, "intermediate_size", 4 * args.hidden_size)
-                + kv)
+    return 4 * 2 * target.num_layers * heads * head_dim
 
 
 class Scheduler:

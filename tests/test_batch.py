@@ -188,3 +188,29 @@ def test_squeezing_out_the_holes_every_step_stays_exact(monkeypatch):
     outputs, reasons, _ = run_engine(model, drafter, PROMPTS, MAX_TOKENS, max_batch=3,
                                      block_size=6)
     check_against_solo(model, PROMPTS, outputs, reasons, MAX_TOKENS)
+
+
+def test_requests_queue_for_memory_instead_of_failing(monkeypatch):
+    """Long requests under a small memory budget: they wait their turn, all complete, and no
+    more run at once than the budget holds."""
+    import mlx_dflash.batch as batch
+
+    model = make_target("qwen3", seed=2)
+    prompts = [RNG.integers(3, 128, size=40).tolist() for _ in range(6)]  # all one length
+    max_tokens = [30] * 6
+    engine = BatchEngine(model, make_drafter(model, block_size=6), make_tokenizer(128),
+                         max_batch=8, block_size=6, reserve_bytes=0)
+    longest = max(len(p) for p in prompts) + 30 + 6
+    budget = int(2.5 * 2 * engine.position_bytes * longest)  # two rows at most
+    monkeypatch.setattr(batch, "memory_headroom",
+                        lambda: budget - sum(layer.nbytes for layer in engine.cache))
+    ids = [engine.submit(p, max_tokens=n) for p, n in zip(prompts, max_tokens)]
+    out, reasons, most = {i: [] for i in ids}, {}, 0
+    while not engine.idle:
+        for rid, r in engine.step():
+            out[rid] += r.tokens
+            reasons[rid] = r.finish_reason
+        most = max(most, len(engine.running))
+    assert most == 2
+    check_against_solo(model, prompts, [out[i] for i in ids], [reasons[i] for i in ids],
+                       max_tokens)
