@@ -30,13 +30,13 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .accept import SamplingParams, sample_first
 from .batch_cache import RaggedKVCache
-from .cycle import DEFAULT_PREFILL_STEP, Cycle, Speculator, accepted_cycle
+from .cycle import DEFAULT_PREFILL_STEP, DRAFTER, PLAIN, Cycle, Speculator, accepted_cycle
 from .decode import GenerationResponse, GenerationStats, TextStream
 from .drafters import check_fits
 from .drafters.base import Drafter, drafting, verify_width
 from .policy import COPY_DRAFTS, COPY_NGRAM, BlockPolicy
 from .prompts import encode_prompt
-from .schedule import kv_bytes_per_position, memory_headroom
+from .schedule import cached_batch_costs, kv_bytes_per_position, memory_headroom, plan_batch
 from .target import FULL, as_target, filled_kv
 
 
@@ -100,6 +100,9 @@ class BatchEngine:
         self.tokenizer = (tokenizer if isinstance(tokenizer, TokenizerWrapper)
                           else TokenizerWrapper(tokenizer))
         self.auto = block_size is None and schedule
+        # One verify budget across the batch (measured once per model pair and machine).
+        self.costs = (cached_batch_costs(self.target, self.drafter, self.width)
+                      if self.auto and self.drafter is not None else None)
         self.copy_drafts, self.copy_ngram = copy_drafts, copy_ngram
         self.max_batch, self.prefill_step = max_batch, prefill_step_size
         self.reserve_bytes = reserve_bytes
@@ -174,7 +177,7 @@ class BatchEngine:
 
     def _cycle(self, responses: list) -> None:
         """One batched draft -> verify -> accept over every running request."""
-        plans = [r.policy.choose(r.room, r.context) for r in self.running]
+        plans = self._plan()
         proposals = [r.spec.draft(r.anchor, K, block) for r, (K, block, _) in
                      zip(self.running, plans)]
         width = 1 + max(p.drafts.shape[0] for p in proposals)
@@ -203,6 +206,19 @@ class BatchEngine:
         for layer in self.cache:
             layer.commit(kept)
             layer.compact()  # when the rejected tails' holes take up a quarter of the slots
+
+    def _plan(self) -> list[tuple[int, list[int], str]]:
+        """Each running request's (drafts, looked-up block, source): lookups first, then the
+        batch's one verify budget shared among the requests that draft."""
+        if self.costs is None:
+            return [r.policy.choose(r.room, r.context) for r in self.running]
+        looked = [r.policy.lookup(r.room, r.context) for r in self.running]
+        schedulers = [None if block else r.policy.scheduler
+                      for r, (block, _) in zip(self.running, looked)]
+        drafts = plan_batch(schedulers, [r.room for r in self.running],
+                            [len(block) for block, _ in looked], self.cache[0].slots, self.costs)
+        return [(len(block), block, source) if block else (K, [], DRAFTER if K else PLAIN)
+                for K, (block, source) in zip(drafts, looked)]
 
     def _commit(self, r: _Request, tokens: list[int], accepted: int, responses: list) -> None:
         tokens, reason = r.text.commit(tokens)

@@ -27,6 +27,11 @@ class RaggedKVCache:
         self._pass: tuple[int, mx.array] | None = None  # (first slot, offset) of the last pass
 
     @property
+    def slots(self) -> int:
+        """Slots every row spans (held positions and holes): what attention reads."""
+        return self._idx
+
+    @property
     def rows(self) -> int:
         return len(self.lengths)
 
@@ -71,6 +76,11 @@ class RaggedKVCache:
         self.offset = offset + keep
         self.lengths = [n + k for n, k in zip(self.lengths, kept)]
         self._pass = None
+
+    def discard(self) -> None:
+        """Forget the last pass entirely (its slots are written over by the next)."""
+        start, offset = self._pass
+        self._idx, self.offset, self._pass = start, offset, None
 
     def add_row(self, keys: mx.array, values: mx.array) -> None:
         """A new row holding ``keys`` / ``values`` [1, heads, P, head_dim] (a prefilled

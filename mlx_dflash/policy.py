@@ -52,7 +52,7 @@ class BlockPolicy:
         """(drafts to verify, the looked-up block or [], where they come from) for a cycle
         with ``room`` tokens left to draft before max_tokens and ``context`` tokens held."""
         K = min(self.width - 1, room)
-        if may_look_up and self.copy_index is not None:
+        if may_look_up:
             block, source = self.lookup(K, context)
             if block:
                 return len(block), block, source
@@ -62,7 +62,11 @@ class BlockPolicy:
 
     def lookup(self, room: int, context: int) -> tuple[list[int], str]:
         """A block copied from the context, else one from the n-gram table when the scheduler
-        expects it to beat the drafter (without a scheduler: whenever there is one)."""
+        expects it to beat the drafter (without a scheduler: whenever there is one); none
+        without copy drafts."""
+        if self.copy_index is None:
+            return [], COPY
+        room = min(self.width - 1, room)
         copied = self.copy_index.lookup(room)
         if copied or self.ngram_table is None:
             return copied, COPY

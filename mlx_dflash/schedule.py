@@ -235,20 +235,28 @@ class Scheduler:
                 best_n, best = n, rate
         return best_n
 
+    def limit(self, room: int) -> int:
+        """Most drafts this cycle may verify: the drafter's, the room left, the memory's."""
+        return min(self.max_drafts, room, self.memory_cap())
+
     def choose(self, room: int, context: int) -> int:
-        limit = min(self.max_drafts, room, self.memory_cap())
+        limit = self.limit(room)
         if limit <= 0:
             return 0
-        best_k, _ = self._best(limit, context)
+        return self.probe(self._best(limit, context)[0], limit)
+
+    def probe(self, chosen: int, limit: int) -> int:
+        """``chosen``, unless plain cycles have run ``probe_gap`` times in a row: then a
+        probe at ``limit`` (the text may have changed)."""
         self.probing = False
-        if best_k == 0:
+        if chosen == 0:
             self.plain_cycles += 1
-            if self.plain_cycles >= self.probe_gap:  # look again: the text may have changed
+            if self.plain_cycles >= self.probe_gap:
                 self.plain_cycles, self.probing = 0, True
                 return limit
         else:
             self.plain_cycles = 0
-        return best_k
+        return chosen
 
     def observe(self, drafted: int, accepted: int, confidence: Sequence[float] | None = None,
                 decay: float = 0.15) -> None:
@@ -266,3 +274,106 @@ class Scheduler:
                                                                 8 * self.probe_every)
         if confidence is not None:
             self.confidence = np.asarray(confidence, dtype=np.float64)
+
+
+# -- one verify budget across a batch ------------------------------------------------------------
+BATCH_ROWS = (1, 2, 4, 8)  # batched pass costs are measured at these row counts, interpolated
+BATCH_CONTEXT = 256
+
+
+@dataclass
+class BatchCosts:
+    """What a batched target pass costs relative to one row of the same width (measured once
+    per model pair and machine), on top of a single request's :class:`PassCosts`."""
+
+    single: PassCosts
+    ratio: dict[int, list[float]]  # rows -> T(rows, width) / T(1, width) for each of sizes
+    sizes: tuple[int, ...]
+    rows: tuple[int, ...] = BATCH_ROWS
+
+    def verify(self, rows: int, width: int, context: int) -> float:
+        """Seconds of a target pass over ``rows`` rows of ``width`` tokens at ``context``."""
+        by_rows = [float(np.interp(width, self.sizes, self.ratio[r])) for r in self.rows]
+        scale = float(np.interp(rows, self.rows, by_rows))
+        if rows > self.rows[-1]:  # beyond what was measured: linear in the rows
+            scale = by_rows[-1] * rows / self.rows[-1]
+        return self.single.verify(width, context) * scale
+
+
+def measure_batch_ratios(target: Target, max_tokens: int, reps: int = 3) -> dict[int, list[float]]:
+    """T(rows, width) / T(1, width) at ``BATCH_CONTEXT`` for ``BATCH_ROWS`` and ``_sizes``."""
+    from .batch_cache import RaggedKVCache
+    from .target import filled_kv
+
+    single = target.make_cache()
+    target.hidden_states(mx.zeros((1, BATCH_CONTEXT), dtype=mx.uint32), single, ())
+    rows_caches = {}
+    for rows in BATCH_ROWS:
+        cache = [RaggedKVCache() for _ in single]
+        for layer, c in zip(cache, single):
+            for _ in range(rows):
+                layer.add_row(*filled_kv(c))
+        mx.eval([layer.state for layer in cache])
+        rows_caches[rows] = cache
+
+    def batched_pass(rows: int, n: int) -> None:
+        cache = rows_caches[rows]
+        mx.eval(target.forward(mx.ones((rows, n), dtype=mx.uint32), cache)[0])
+        for layer in cache:
+            layer.discard()
+
+    sizes = _sizes(max_tokens)
+    fns = [lambda r=r, n=n: batched_pass(r, n) for r in BATCH_ROWS for n in sizes]
+    times = best_times(fns, reps)
+    per_rows = {r: times[i * len(sizes):(i + 1) * len(sizes)] for i, r in enumerate(BATCH_ROWS)}
+    return {r: [t / one for t, one in zip(per_rows[r], per_rows[1])] for r in BATCH_ROWS}
+
+
+def cached_batch_costs(target: Target, drafter: Drafter, max_tokens: int) -> BatchCosts:
+    """A batch's pass costs for this model pair and machine, measured on first use."""
+    single = cached_costs(target, drafter, max_tokens)
+    path = _cache_file(target, drafter, max_tokens).with_suffix(".batch.json")
+    try:
+        data = json.loads(path.read_text())
+        return BatchCosts(single, {int(k): v for k, v in data["ratio"].items()},
+                          tuple(data["sizes"]), tuple(data["rows"]))
+    except (OSError, ValueError, KeyError):
+        pass
+    costs = BatchCosts(single, measure_batch_ratios(target, max_tokens), _sizes(max_tokens))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"ratio": costs.ratio, "sizes": costs.sizes, "rows": costs.rows}))
+    os.replace(tmp, path)
+    return costs
+
+
+def plan_batch(schedulers: Sequence[Scheduler | None], rooms: Sequence[int],
+               fixed: Sequence[int], context: int, costs: BatchCosts) -> list[int]:
+    """Drafts to verify for each request of one batched pass, from one budget: the pass width
+    and the set of drafting requests that maximise the batch's expected committed tokens per
+    second, ``(rows + sum of expected accepted drafts) / (T_verify(rows, width) + drafter
+    passes)``. A request's drafts are its first ones, most likely to survive; a request whose
+    block is fixed (``fixed[i]`` tokens looked up; its scheduler None) rides along and widens
+    the pass. With one request this is what :meth:`Scheduler.choose` chooses."""
+    rows = len(rooms)
+    floor = 1 + max(fixed, default=0)  # the looked-up blocks set the narrowest pass
+    limits = [s.limit(room) if s is not None else 0 for s, room in zip(schedulers, rooms)]
+    gains = [np.concatenate([[0.0], np.cumsum(s.survival()[:lim])]) if s is not None and lim > 0
+             else np.zeros(1) for s, lim in zip(schedulers, limits)]
+    base = float(rows)  # every row commits one token; lookups' expected gains are not known
+    best_rate, best = base / costs.verify(rows, floor, context), [0] * rows
+    for width in range(2, 1 + max(limits, default=0) + 1):
+        ranked = sorted(((gains[i][min(width - 1, limits[i])], i) for i in range(rows)
+                         if limits[i] > 0), reverse=True)
+        gain, drafting = 0.0, []
+        verify = costs.verify(rows, max(width, floor), context)
+        for g, i in ranked:
+            gain += g
+            drafting.append(i)
+            rate = (base + gain) / (verify + len(drafting) * costs.single.draft_s)
+            if rate > best_rate:
+                best_rate = rate
+                best = [min(width - 1, limits[j]) if j in drafting else 0 for j in range(rows)]
+    return [s.probe(k, lim) if s is not None and lim > 0 else k
+            for s, k, lim in zip(schedulers, best, limits)]
+

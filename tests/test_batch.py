@@ -1,6 +1,8 @@
 """Continuous batching: every request's output equals its own run, with requests joining and
 leaving mid-flight, ragged blocks (K = 0 included), each drafter family and copy drafts."""
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -62,6 +64,14 @@ class BatchOracle:
         return Proposal(*proposal_from_logits(logits, params, None, target.vocab_size))
 
 
+def batch_costs(growth: float):
+    """COSTS for one row; ``growth``: each more row costs that much more of a row's pass."""
+    from mlx_dflash.schedule import BATCH_ROWS, BatchCosts
+
+    ratio = {r: [1.0 + growth * (r - 1)] * len(COSTS.sizes) for r in BATCH_ROWS}
+    return BatchCosts(COSTS, ratio, COSTS.sizes)
+
+
 def run_engine(model, drafter, prompts, max_tokens, cancel_after=None, **options):
     engine = BatchEngine(model, drafter, make_tokenizer(128), **options)
     ids = [engine.submit(p, max_tokens=n) for p, n in zip(prompts, max_tokens)]
@@ -107,7 +117,10 @@ def test_batch_greedy_equals_each_solo_run(family):
 
 
 def test_batch_with_the_scheduler_and_a_cancelled_request(monkeypatch):
+    import mlx_dflash.batch as batch
+
     monkeypatch.setattr(policy, "cached_costs", lambda *a: COSTS)
+    monkeypatch.setattr(batch, "cached_batch_costs", lambda *a: batch_costs(1.0))
     monkeypatch.setattr("mlx_dflash.schedule.memory_headroom", lambda: 1 << 40)
     model = make_target("qwen3", seed=2)
     sequences = [p + reference(model, p, n)[0] for p, n in zip(PROMPTS, MAX_TOKENS)]
@@ -214,3 +227,61 @@ def test_requests_queue_for_memory_instead_of_failing(monkeypatch):
     assert most == 2
     check_against_solo(model, prompts, [out[i] for i in ids], [reasons[i] for i in ids],
                        max_tokens)
+
+
+def test_one_budget_with_one_request_chooses_what_the_scheduler_chooses():
+    from mlx_dflash.schedule import Scheduler, plan_batch
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        one, alone = (Scheduler(COSTS, 7, 1 << 20, headroom=lambda: 1 << 40) for _ in range(2))
+        confidence = rng.uniform(0, 1, size=7) ** rng.uniform(0.2, 3)
+        for s in (one, alone):
+            s.observe(0, 0, confidence.tolist())
+        room, context = int(rng.integers(0, 9)), int(rng.integers(10, 2000))
+        assert plan_batch([one], [room], [0], context, batch_costs(1.0)) == [
+            alone.choose(room, context)]
+
+
+def test_a_busy_batch_cuts_the_unlikely_tails():
+    """Passes whose cost grows with every token of every row: the budget verifies fewer drafts
+    per request than when a pass costs what one row's does (then at least as many as alone)."""
+    from mlx_dflash.schedule import Scheduler, plan_batch
+
+    def schedulers(n):
+        out = []
+        for _ in range(n):
+            s = Scheduler(COSTS, 7, 1 << 20, headroom=lambda: 1 << 40)
+            s.observe(0, 0, [0.9, 0.7, 0.5, 0.35, 0.25, 0.2, 0.15])
+            out.append(s)
+        return out
+
+    from mlx_dflash.schedule import BATCH_ROWS, BatchCosts
+
+    def tokens_cost(r, w):  # a fixed part (the weights, read once) and a part per token
+        return 0.010 + 0.0005 * r * w
+
+    cheap_drafter = replace(COSTS, draft_s=0.0002)  # a batched drafter pass, nearly free
+    busy_costs = BatchCosts(cheap_drafter, {r: [tokens_cost(r, w) / tokens_cost(1, w)
+                                                for w in COSTS.sizes] for r in BATCH_ROWS},
+                            COSTS.sizes)
+    alone = plan_batch(schedulers(1), [7], [0], 300, busy_costs)[0]
+    free = plan_batch(schedulers(8), [7] * 8, [0] * 8, 300,
+                      BatchCosts(cheap_drafter, batch_costs(0.0).ratio, COSTS.sizes))
+    busy = plan_batch(schedulers(8), [7] * 8, [0] * 8, 300, busy_costs)
+    assert 0 < alone <= min(free)
+    assert 0 < max(busy) < min(free)
+
+
+def test_batched_pass_costs_are_measured_and_cached():
+    from mlx_dflash.schedule import BATCH_ROWS, cached_batch_costs
+    from mlx_dflash.target import Target
+
+    model = make_target("qwen3")
+    target, drafter = Target(model), make_drafter(model, block_size=4)
+    costs = cached_batch_costs(target, drafter, 4)
+    assert set(costs.ratio) == set(BATCH_ROWS) and costs.ratio[1] == [1.0] * len(costs.sizes)
+    assert all(v > 0 for r in BATCH_ROWS for v in costs.ratio[r])
+    assert costs.verify(1, 3, 200) == costs.single.verify(3, 200)
+    assert costs.verify(16, 3, 200) > costs.verify(8, 3, 200) > 0
+    assert cached_batch_costs(target, drafter, 4).ratio == costs.ratio  # from the cache
