@@ -190,13 +190,11 @@ def stream_generate(
 ) -> Generator[GenerationResponse, None, None]:
     """Generate from ``prompt`` with speculative decoding; yields one response per cycle.
 
-    ``drafter=None`` decodes with the target alone. ``block_size`` fixes the most tokens a
-    cycle verifies (else the scheduler chooses, with ``schedule``); ``copy_drafts`` verifies
-    blocks looked up from the context (``lookup.py``). ``prompt_cache`` (a
-    :class:`~mlx_dflash.pair_cache.PairCache` holding a proper prefix of the prompt, or empty)
-    is continued from, and holds the whole sequence when generation ends (``tokens`` names
-    it; None if it was closed early where the caches could not be cut back).
-    """
+    ``drafter=None``: the target alone. ``block_size`` fixes the most tokens a cycle verifies
+    (else the scheduler chooses); ``copy_drafts``: blocks looked up from the context too.
+    ``prompt_cache`` (a :class:`PairCache` holding a proper prefix of the prompt) is continued
+    from and holds the whole sequence at the end (``tokens`` None if closed early where the
+    caches could not be cut back)."""
     params = SamplingParams(temperature, top_p, top_k)
     target, drafter, tokenizer, width = _check_request(model, drafter, tokenizer, max_tokens,
                                                        block_size, schedule)

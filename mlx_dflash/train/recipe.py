@@ -106,8 +106,8 @@ def collate(batches: list[Batch]) -> Batch:
     return Batch(*(mx.concatenate(fields[name], axis=0) for name in Batch._fields))
 
 
-# Collating pays where each sequence brings few block rows (DSpark, 16 anchors x 7: a step
-# 1.19x faster on this CPU); with DFlash's 32 blocks of 16 a sequence it measured 1.25x slower.
+# Collating sequences into one batch pays where each brings few block rows (DSpark's 16 anchors
+# of 7) and costs where each brings many (DFlash's 32 blocks of 16): docs/training.md.
 COLLATE_MAX_ROWS = 256
 
 
