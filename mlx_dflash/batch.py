@@ -208,17 +208,17 @@ class BatchEngine:
             layer.compact()  # when the rejected tails' holes take up a quarter of the slots
 
     def _plan(self) -> list[tuple[int, list[int], str]]:
-        """Each running request's (drafts, looked-up block, source): lookups first, then the
-        batch's one verify budget shared among the requests that draft."""
-        if self.costs is None:
+        """Each running request's (drafts, looked-up block, source). Alone, a request plans as
+        a single generation does; together, one verify budget is shared: lookups and drafts
+        are weighed by their survival estimates against the batched pass's cost."""
+        if self.costs is None or len(self.running) == 1:
             return [r.policy.choose(r.room, r.context) for r in self.running]
         looked = [r.policy.lookup(r.room, r.context) for r in self.running]
-        schedulers = [None if block else r.policy.scheduler
-                      for r, (block, _) in zip(self.running, looked)]
-        drafts = plan_batch(schedulers, [r.room for r in self.running],
-                            [len(block) for block, _ in looked], self.cache[0].slots, self.costs)
-        return [(len(block), block, source) if block else (K, [], DRAFTER if K else PLAIN)
-                for K, (block, source) in zip(drafts, looked)]
+        counts = plan_batch([r.policy.scheduler for r in self.running],
+                            [r.room for r in self.running], [len(b) for b, _ in looked],
+                            self.cache[0].slots, self.costs)
+        return [(K, block[:K], source) if block and K else (K, [], DRAFTER if K else PLAIN)
+                for K, (block, source) in zip(counts, looked)]
 
     def _commit(self, r: _Request, tokens: list[int], accepted: int, responses: list) -> None:
         tokens, reason = r.text.commit(tokens)

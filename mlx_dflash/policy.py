@@ -84,8 +84,13 @@ class BlockPolicy:
             self.copy_index.extend(list(tokens))
 
     def observe(self, cycle: Cycle, accepted: int) -> None:
-        """What a drafter cycle accepted (the scheduler's survival estimates learn it)."""
-        if self.scheduler is not None and not cycle.looked_up:
+        """What a cycle accepted (the scheduler's survival estimates for drafts, or for
+        looked-up blocks, learn it)."""
+        if self.scheduler is None:
+            return
+        if cycle.looked_up:
+            self.scheduler.observe_lookup(cycle.num_drafts, accepted)
+        else:
             confidence = cycle.confidence
             self.scheduler.observe(cycle.num_drafts, accepted,
                                    None if confidence is None else confidence.tolist())

@@ -192,6 +192,9 @@ class Scheduler:
         self.probe_every, self.probe_gap = probe_every, probe_every
         self.accept_rate = np.full(max_drafts, 0.5)  # P(draft j survives | drafts < j did)
         self.seen = np.zeros(max_drafts)  # cycles that reached position j
+        # The same for looked-up blocks (copies, n-gram continuations): a batch's budget
+        # weighs them against drafts; a request alone verifies them whole.
+        self.lookup_rate, self.lookup_seen = np.full(max_drafts, 0.5), np.zeros(max_drafts)
         self.confidence: np.ndarray | None = None  # the drafter's last calibrated survival
         self.plain_cycles = 0
         self.probing = False
@@ -264,16 +267,30 @@ class Scheduler:
 
         A running mean at first (one failure already counts), a moving average after that; a
         failed probe doubles the wait for the next one (up to 8x), a paying one resets it."""
-        for j in range(min(drafted, accepted + 1)):
-            step = max(decay, 1.0 / (self.seen[j] + 2))
-            self.accept_rate[j] += step * (float(j < accepted) - self.accept_rate[j])
-            self.seen[j] += 1
+        _learn(self.accept_rate, self.seen, drafted, accepted, decay)
         if self.probing and drafted > 0:  # the probe's own cycle (a plain one may come first)
             self.probing, paid = False, accepted > 0
             self.probe_gap = self.probe_every if paid else min(2 * self.probe_gap,
                                                                 8 * self.probe_every)
         if confidence is not None:
             self.confidence = np.asarray(confidence, dtype=np.float64)
+
+    def observe_lookup(self, looked_up: int, accepted: int, decay: float = 0.15) -> None:
+        """What a looked-up block of ``looked_up`` tokens accepted."""
+        _learn(self.lookup_rate, self.lookup_seen, looked_up, accepted, decay)
+
+    def lookup_survival(self) -> np.ndarray:
+        return np.cumprod(self.lookup_rate)
+
+
+def _learn(rates: np.ndarray, seen: np.ndarray, drafted: int, accepted: int,
+           decay: float) -> None:
+    """Per-position survival rates from one cycle (positions reached only): a running mean at
+    first (one failure already counts), a moving average after that."""
+    for j in range(min(drafted, accepted + 1, len(rates))):
+        step = max(decay, 1.0 / (seen[j] + 2))
+        rates[j] += step * (float(j < accepted) - rates[j])
+        seen[j] += 1
 
 
 # -- one verify budget across a batch ------------------------------------------------------------
@@ -347,33 +364,35 @@ def cached_batch_costs(target: Target, drafter: Drafter, max_tokens: int) -> Bat
     return costs
 
 
-def plan_batch(schedulers: Sequence[Scheduler | None], rooms: Sequence[int],
-               fixed: Sequence[int], context: int, costs: BatchCosts) -> list[int]:
-    """Drafts to verify for each request of one batched pass, from one budget: the pass width
-    and the set of drafting requests that maximise the batch's expected committed tokens per
-    second, ``(rows + sum of expected accepted drafts) / (T_verify(rows, width) + drafter
-    passes)``. A request's drafts are its first ones, most likely to survive; a request whose
-    block is fixed (``fixed[i]`` tokens looked up; its scheduler None) rides along and widens
-    the pass. With one request this is what :meth:`Scheduler.choose` chooses."""
+def plan_batch(schedulers: Sequence[Scheduler], rooms: Sequence[int],
+               looked_up: Sequence[int], context: int, costs: BatchCosts) -> list[int]:
+    """Tokens to verify after each request's anchor in one batched pass, from one budget: the
+    pass width and the drafting requests that maximise the batch's expected committed tokens
+    per second, ``(rows + expected accepted tokens) / (T_verify(rows, width) + drafter
+    passes)``. Every request's candidates are its first tokens, most likely to survive (the
+    drafter's by its calibrated confidence or acceptance rates; a looked-up block of
+    ``looked_up[i]`` tokens by the lookups' own rates, with no drafter pass to pay). With one
+    request and no lookup this is what :meth:`Scheduler.choose` chooses."""
     rows = len(rooms)
-    floor = 1 + max(fixed, default=0)  # the looked-up blocks set the narrowest pass
-    limits = [s.limit(room) if s is not None else 0 for s, room in zip(schedulers, rooms)]
-    gains = [np.concatenate([[0.0], np.cumsum(s.survival()[:lim])]) if s is not None and lim > 0
-             else np.zeros(1) for s, lim in zip(schedulers, limits)]
-    base = float(rows)  # every row commits one token; lookups' expected gains are not known
-    best_rate, best = base / costs.verify(rows, floor, context), [0] * rows
+    limits = [min(n, s.max_drafts, room) if n else s.limit(room)
+              for s, room, n in zip(schedulers, rooms, looked_up)]
+    gains = [np.concatenate([[0.0], np.cumsum(
+        (s.lookup_survival() if n else s.survival())[:lim])])
+        for s, lim, n in zip(schedulers, limits, looked_up)]
+    best_rate, best = rows / costs.verify(rows, 1, context), [0] * rows
     for width in range(2, 1 + max(limits, default=0) + 1):
+        verify = costs.verify(rows, width, context)
+        gain = sum(gains[i][min(width - 1, limits[i])] for i in range(rows) if looked_up[i])
         ranked = sorted(((gains[i][min(width - 1, limits[i])], i) for i in range(rows)
-                         if limits[i] > 0), reverse=True)
-        gain, drafting = 0.0, []
-        verify = costs.verify(rows, max(width, floor), context)
-        for g, i in ranked:
-            gain += g
-            drafting.append(i)
-            rate = (base + gain) / (verify + len(drafting) * costs.single.draft_s)
+                         if limits[i] > 0 and not looked_up[i]), reverse=True)
+        for m in range(len(ranked) + 1):  # the m likeliest drafting requests draft
+            if m:
+                gain += ranked[m - 1][0]
+            rate = (rows + gain) / (verify + m * costs.single.draft_s)
             if rate > best_rate:
-                best_rate = rate
-                best = [min(width - 1, limits[j]) if j in drafting else 0 for j in range(rows)]
-    return [s.probe(k, lim) if s is not None and lim > 0 else k
-            for s, k, lim in zip(schedulers, best, limits)]
-
+                drafting = {i for _, i in ranked[:m]}
+                best_rate, best = rate, [min(width - 1, limits[i])
+                                         if looked_up[i] or i in drafting else 0
+                                         for i in range(rows)]
+    return [s.probe(k, lim) if not n and lim > 0 else k
+            for s, k, lim, n in zip(schedulers, best, limits, looked_up)]

@@ -285,3 +285,25 @@ def test_batched_pass_costs_are_measured_and_cached():
     assert costs.verify(1, 3, 200) == costs.single.verify(3, 200)
     assert costs.verify(16, 3, 200) > costs.verify(8, 3, 200) > 0
     assert cached_batch_costs(target, drafter, 4).ratio == costs.ratio  # from the cache
+
+
+def test_the_budget_weighs_looked_up_blocks_by_how_often_they_survive():
+    """A busy batch: a copy block that usually survives is verified whole, one that rarely does
+    is cut back; nothing is drafted for the lookups (they cost no drafter pass)."""
+    from mlx_dflash.schedule import BATCH_ROWS, BatchCosts, Scheduler, plan_batch
+
+    def tokens_cost(r, w):
+        return 0.010 + 0.0005 * r * w
+
+    costs = BatchCosts(COSTS, {r: [tokens_cost(r, w) / tokens_cost(1, w) for w in COSTS.sizes]
+                               for r in BATCH_ROWS}, COSTS.sizes)
+
+    def scheduler(lookup_rate):
+        s = Scheduler(COSTS, 7, 1 << 20, headroom=lambda: 1 << 40)
+        s.observe(0, 0, [0.3] * 7)  # the drafter: rarely right
+        s.lookup_rate[:] = lookup_rate
+        return s
+
+    sure = plan_batch([scheduler(0.95) for _ in range(8)], [7] * 8, [6] * 8, 300, costs)
+    unsure = plan_batch([scheduler(0.2) for _ in range(8)], [7] * 8, [6] * 8, 300, costs)
+    assert sure == [6] * 8 and max(unsure) < 6
