@@ -13,7 +13,7 @@ the same function in MLX ops otherwise).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -22,11 +22,24 @@ from mlx_lm.sample_utils import apply_top_p
 from .kernels import top_k_mask, verify_greedy, verify_sample, verify_sample_candidates
 
 
+class RandomStream:
+    """A request's own random numbers, from its seed: in a batch, a seeded request draws from
+    its own key instead of MLX's global one (which every request there shares)."""
+
+    def __init__(self, seed: int):
+        self._key = mx.random.key(seed % 2**64)
+
+    def next(self) -> mx.array:
+        self._key, key = mx.random.split(self._key)
+        return key
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    random: RandomStream | None = field(default=None, compare=False)  # None: the global key
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -39,6 +52,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def key(self) -> mx.array | None:
+        """The key of the next random draw (None: MLX's global one)."""
+        return None if self.random is None else self.random.next()
 
 
 class CandidateProposal(NamedTuple):
@@ -70,7 +87,8 @@ def sample_first(logits: mx.array, params: SamplingParams) -> mx.array:
     """One token from the target's last-position logits [V] -> [1]."""
     if params.greedy:
         return mx.argmax(logits, axis=-1, keepdims=True).astype(mx.uint32)
-    return mx.random.categorical(sampling_logits(logits, params))[None].astype(mx.uint32)
+    token = mx.random.categorical(sampling_logits(logits, params), key=params.key())
+    return token[None].astype(mx.uint32)
 
 
 def proposal_from_logits(
@@ -84,7 +102,7 @@ def proposal_from_logits(
         probs = None
     else:
         scaled = sampling_logits(logits, params)
-        drafts = mx.random.categorical(scaled)
+        drafts = mx.random.categorical(scaled, key=params.key())
         probs = mx.softmax(scaled, axis=-1)
     if vocab_ids is not None:
         drafts = vocab_ids[drafts]
@@ -126,7 +144,7 @@ def rejection_accept(
         logits, temperature, top_k = sampling_logits(target_logits, params), 1.0, 0
     else:
         logits, temperature, top_k = target_logits, params.temperature, params.top_k
-    uniforms = mx.random.uniform(shape=(1, K + 1))
+    uniforms = mx.random.uniform(shape=(1, K + 1), key=params.key())
     if isinstance(draft_probs, CandidateProposal):
         accepted, token = verify_sample_candidates(
             logits[None], drafts[None], draft_probs.ids[None], draft_probs.probs[None], uniforms,

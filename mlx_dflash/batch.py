@@ -28,16 +28,17 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .accept import SamplingParams, sample_first
+from .accept import RandomStream, SamplingParams, sample_first
 from .batch_cache import RaggedKVCache
 from .cycle import DEFAULT_PREFILL_STEP, DRAFTER, PLAIN, Cycle, Speculator, accepted_cycle
-from .decode import GenerationResponse, GenerationStats, TextStream
+from .decode import GenerationResponse, GenerationStats, TextStream, continue_from
 from .drafters import check_fits
 from .drafters.base import Drafter, drafting, verify_width
 from .policy import COPY_DRAFTS, COPY_NGRAM, BlockPolicy
+from .prefix_cache import PrefixCache
 from .prompts import encode_prompt
 from .schedule import cached_batch_costs, kv_bytes_per_position, memory_headroom, plan_batch
-from .target import FULL, as_target, filled_kv
+from .target import FULL, TargetCache, as_target, filled_kv
 
 
 class BatchNotSupported(ValueError):
@@ -55,6 +56,7 @@ class _Request:
     spec: Speculator | None = None
     policy: BlockPolicy | None = None
     anchor: mx.array | None = None  # the last committed token, not yet in the target cache
+    checkpoints: Sequence[int] = ()  # where to store the prompt's caches (see continue_from)
     cancelled: bool = False
 
     @property
@@ -82,7 +84,8 @@ class BatchEngine:
     def __init__(self, model: Any, drafter: Drafter | None, tokenizer: Any, *,
                  max_batch: int = 8, block_size: int | None = None, schedule: bool = True,
                  copy_drafts: bool = COPY_DRAFTS, copy_ngram: int = COPY_NGRAM,
-                 prefill_step_size: int = DEFAULT_PREFILL_STEP, reserve_bytes: int = 256 << 20):
+                 prefill_step_size: int = DEFAULT_PREFILL_STEP, reserve_bytes: int = 256 << 20,
+                 prefix_cache: PrefixCache | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.target = as_target(model)
@@ -106,6 +109,7 @@ class BatchEngine:
         self.copy_drafts, self.copy_ngram = copy_drafts, copy_ngram
         self.max_batch, self.prefill_step = max_batch, prefill_step_size
         self.reserve_bytes = reserve_bytes
+        self.store = prefix_cache  # requests continue from it and leave their caches in it
         self.position_bytes = kv_bytes_per_position(self.target)
         self.layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
         self.cache = [RaggedKVCache() for _ in range(self.target.num_layers)]
@@ -117,16 +121,24 @@ class BatchEngine:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
+    @property
+    def requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
     def submit(self, prompt: str | Sequence[int] | mx.array, *, max_tokens: int = 256,
-               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> int:
-        """Queue a request; returns its id (its responses carry it)."""
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               seed: int | None = None, checkpoints: Sequence[int] = ()) -> int:
+        """Queue a request; returns its id (its responses carry it). ``seed``: the request
+        samples from its own random stream; ``checkpoints``: see ``decode.continue_from``."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        params = SamplingParams(temperature, top_p, top_k)
+        params = SamplingParams(temperature, top_p, top_k,
+                                None if seed is None else RandomStream(seed))
         tokens = encode_prompt(self.tokenizer, prompt)
         stats = GenerationStats(prompt_tokens=len(tokens), block_size=self.width)
         request = _Request(next(self._ids), tokens, params, max_tokens, stats,
-                           TextStream(self.tokenizer, stats, max_tokens, own_detokenizer=True))
+                           TextStream(self.tokenizer, stats, max_tokens, own_detokenizer=True),
+                           checkpoints=checkpoints)
         self.waiting.append(request)
         return request.id
 
@@ -164,14 +176,21 @@ class BatchEngine:
         """Prefill a request alone, commit its first token and add it as a batch row."""
         r.policy = BlockPolicy.for_request(self.target, self.drafter, self.width, r.tokens,
                                            self.auto, self.copy_drafts, self.copy_ngram)
-        r.spec = Speculator(self.target, self.drafter, r.params, self.width, r.tokens)
         tic = time.perf_counter()
+        pair = None
+        if self.store is not None:
+            pair, _ = continue_from(self.store, r.tokens, self.target, self.drafter,
+                                    checkpoints=r.checkpoints, step=self.prefill_step)
+        r.spec = Speculator(self.target, self.drafter, r.params, self.width, r.tokens, pair)
+        r.stats.cached_tokens = r.spec.cached
         r.anchor = sample_first(r.spec.prefill(r.tokens, self.prefill_step), r.params)
         r.text.tic = time.perf_counter()
-        r.stats.prompt_tps = len(r.tokens) / (r.text.tic - tic)
+        r.stats.prompt_tps = r.stats.prefilled_tokens / (r.text.tic - tic)
         for layer, c in zip(self.cache, r.spec.cache):
             layer.add_row(*filled_kv(c))
         r.spec.cache = None  # its rows in the batch cache stand in for it from now on
+        if pair is not None:
+            pair.target = None  # (given back as the rows when the request leaves)
         self.running.append(r)
         self._commit(r, [r.anchor.item()], 0, responses)
 
@@ -221,6 +240,7 @@ class BatchEngine:
                 for K, (block, source) in zip(counts, looked)]
 
     def _commit(self, r: _Request, tokens: list[int], accepted: int, responses: list) -> None:
+        r.spec.hold(tokens)  # before the cut: the caches hold them all the same
         tokens, reason = r.text.commit(tokens)
         if reason is None:
             r.policy.extend(tokens)
@@ -233,9 +253,24 @@ class BatchEngine:
         keep = [i for i, r in enumerate(self.running) if not r.cancelled]
         if len(keep) == len(self.running):
             return
+        for i, r in enumerate(self.running):
+            if r.cancelled and r.spec.pair is not None:
+                self._store(i, r)
         self.running = [self.running[i] for i in keep]
         for layer in self.cache:
             layer.keep_rows(keep)
+
+
+    def _store(self, row: int, r: _Request) -> None:
+        """Leave a request's caches in the prefix store: its row of the batch cache, cut to
+        what it committed (as a single generation closed mid-stream does)."""
+        layers = [layer.row_cache(row) for layer in self.cache]
+        if any(c is None for c in layers):
+            return  # a layer kind whose row cannot stand alone: the prompt's checkpoints remain
+        r.spec.pair.target = TargetCache(layers)
+        r.spec.abandon()
+        if r.spec.pair.tokens:
+            self.store.insert(r.spec.pair)
 
 
 def batch_generate(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 
 class RaggedKVCache:
@@ -95,6 +96,17 @@ class RaggedKVCache:
         self.valid = mx.concatenate([self.valid, (mx.arange(capacity) < P)[None]], axis=0)
         self.offset = mx.concatenate([self.offset, mx.array([P], dtype=mx.int32)])
         self.lengths.append(P)
+
+    def row_cache(self, row: int) -> KVCache:
+        """One row as a single request's cache: its held slots, in order."""
+        T, n = self._idx, self.lengths[row]
+        slots = mx.arange(T)
+        order = mx.argsort(mx.where(self.valid[row, :T], slots, T + slots))[:n]
+        cache = KVCache()
+        cache.keys = self.keys[row : row + 1, :, :T][:, :, order]
+        cache.values = self.values[row : row + 1, :, :T][:, :, order]
+        cache.offset = n
+        return cache
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order (finished requests leave)."""

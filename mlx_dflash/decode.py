@@ -25,7 +25,7 @@ from .pair_cache import PairCache, needs_checkpoints
 from .policy import COPY_DRAFTS, COPY_NGRAM, BlockPolicy
 from .prefix_cache import PrefixCache
 from .prompts import encode_prompt
-from .target import as_target
+from .target import Target, as_target
 
 
 @dataclass
@@ -281,23 +281,14 @@ def stream_generate_cached(
     ``stream_generate`` (it must accept ``prompt_cache``).
     """
     tokens = encode_prompt(tokenizer, prompt)
-    target = as_target(model)
     # As stream_generate does: nothing to draft, no context to keep.
     drafter = drafting(drafter, kwargs.get("block_size"), kwargs.get("schedule", True))
-    pair, cached = store.fetch(tokens, take=take)
-    if drafter is not None and pair.drafter is None and pair.tokens:
-        pair, cached = PairCache(), 0  # kept without a drafter context: of no use here
-    pair.ensure(target, drafter)
     tic = time.perf_counter()
-    end = len(tokens) - 1
-    if needs_checkpoints(target) and kwargs.get("max_tokens", 1) > 0:
-        for stop in sorted({p for p in (*checkpoints, end) if cached < p <= end}):
-            start = pair.begin(tokens, target, drafter)
-            prefill(target, tokens[start:stop], pair.target, drafter, pair.drafter,
-                    kwargs.get("prefill_step_size", DEFAULT_PREFILL_STEP),
-                    kwargs.get("prompt_progress"))
-            pair.hold(tokens[:stop])
-            store.insert(pair.fork())
+    pair, cached = continue_from(
+        store, tokens, as_target(model), drafter, take=take,
+        checkpoints=checkpoints if kwargs.get("max_tokens", 1) > 0 else None,
+        step=kwargs.get("prefill_step_size", DEFAULT_PREFILL_STEP),
+        progress=kwargs.get("prompt_progress"))
     checkpoint_s = time.perf_counter() - tic
     generate = generate or stream_generate
     gen = generate(model, drafter, tokenizer, tokens, prompt_cache=pair, **kwargs)
@@ -313,3 +304,27 @@ def stream_generate_cached(
         gen.close()
         if pair.tokens:
             store.insert(pair)
+
+
+def continue_from(
+    store: PrefixCache, tokens: Sequence[int], target: Target, drafter: Drafter | None, *,
+    take: bool | None = None, checkpoints: Sequence[int] | None = (),
+    step: int = DEFAULT_PREFILL_STEP, progress: Callable[[int, int], Any] | None = None,
+) -> tuple[PairCache, int]:
+    """The pair a generation of ``tokens`` continues from (the store's longest usable prefix)
+    and the prompt tokens it holds. For targets whose caches cannot be cut back, the pair is
+    first prefilled to each of ``checkpoints`` and to the prompt's end less its last token,
+    and stored there (None: no checkpoints, nothing prefilled here)."""
+    pair, cached = store.fetch(tokens, take=take)
+    if drafter is not None and pair.drafter is None and pair.tokens:
+        pair, cached = PairCache(), 0  # kept without a drafter context: of no use here
+    pair.ensure(target, drafter)
+    if checkpoints is None or not needs_checkpoints(target):
+        return pair, cached
+    end = len(tokens) - 1
+    for stop in sorted({p for p in (*checkpoints, end) if cached < p <= end}):
+        start = pair.begin(tokens, target, drafter)
+        prefill(target, tokens[start:stop], pair.target, drafter, pair.drafter, step, progress)
+        pair.hold(tokens[:stop])
+        store.insert(pair.fork())
+    return pair, cached

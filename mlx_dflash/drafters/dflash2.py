@@ -159,8 +159,8 @@ class CandidateSelector(nn.Module):
         return first, rest
 
 
-def walk_path(first: mx.array, rest: mx.array, temperature: float = 0.0
-              ) -> tuple[mx.array, mx.array | None]:
+def walk_path(first: mx.array, rest: mx.array, temperature: float = 0.0,
+              key: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
     """The selector walk: candidate index per position [n], and at temperature > 0 the
     proposal over the K candidates [n, K]. The one sequential step of DFlash 2: one Metal
     kernel where there is a Metal GPU (kernels.path_select), MLX ops otherwise; lazy, no host
@@ -168,7 +168,7 @@ def walk_path(first: mx.array, rest: mx.array, temperature: float = 0.0
     if temperature == 0:
         picks, _ = path_select(first[None], rest[None])
         return picks[0], None
-    uniforms = mx.random.uniform(shape=(1, rest.shape[0] + 1))
+    uniforms = mx.random.uniform(shape=(1, rest.shape[0] + 1), key=key)
     picks, probs = path_select(first[None], rest[None], uniforms, temperature)
     return picks[0], probs[0]
 
@@ -212,7 +212,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         sel = self.candidate_selector
         cand, unary_k = sel.candidates(self.head(target, hidden).astype(mx.float32))
         first, rest = sel.lattice(cand, unary_k, hidden, self.prev_rows(anchor)[0])
-        picks, q = walk_path(first, rest, params.temperature)
+        picks, q = walk_path(first, rest, params.temperature, params.key())
         idx = mx.take_along_axis(cand, picks[:, None], axis=-1)[:, 0]
         vocab = self.vocab_ids
         cand_ids = vocab[cand] if vocab is not None else cand

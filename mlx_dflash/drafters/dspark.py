@@ -263,7 +263,7 @@ class DSparkDraftModel(DFlashDraftModel):
                 x = mx.argmax(logits, axis=-1)
             else:
                 scaled = sampling_logits(logits[None], params)[0]
-                x = mx.random.categorical(scaled)
+                x = mx.random.categorical(scaled, key=params.key())
                 probs.append(mx.softmax(scaled, axis=-1))
             if cand is not None:
                 x = cand[k][x]  # candidate slot -> draft-vocabulary index

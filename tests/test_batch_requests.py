@@ -1,0 +1,68 @@
+"""What a batched request keeps of a single one: continuing from the prefix cache and leaving
+its caches there, and a seed of its own."""
+
+import mlx.core as mx
+from test_batch import PROMPTS
+from tiny import make_drafter, make_target, make_tokenizer
+
+from mlx_dflash import generate
+from mlx_dflash.batch import BatchEngine, batch_generate
+from mlx_dflash.prefix_cache import PrefixCache
+
+
+def test_batched_requests_continue_from_the_prefix_cache_and_leave_theirs_there():
+    model = make_target("qwen3", seed=2)
+    drafter = make_drafter(model, block_size=4)
+    tok = make_tokenizer(128)
+    store = PrefixCache(1 << 30)
+    prompts = PROMPTS[2:5]
+    first = batch_generate(model, drafter, tok, prompts, max_tokens=12, block_size=4,
+                           prefix_cache=store)
+    assert len(store) == len(prompts) and all(r.stats.cached_tokens == 0 for r in first)
+    # The next turns: each prompt extended by its answer and more; they continue from it.
+    turns = [p + r.tokens + [7, 8, 9] for p, r in zip(prompts, first)]
+    second = batch_generate(model, drafter, tok, turns, max_tokens=12, block_size=4,
+                            prefix_cache=store)
+    for prompt, turn, r in zip(prompts, turns, second):
+        assert r.stats.cached_tokens >= len(prompt)
+        assert r.text == generate(model, drafter, tok, turn, max_tokens=12, block_size=4)
+
+
+def test_a_cancelled_request_leaves_what_it_committed():
+    model = make_target("qwen3", seed=2)
+    tok = make_tokenizer(128)
+    store = PrefixCache(1 << 30)
+    engine = BatchEngine(model, None, tok, prefix_cache=store)
+    rid = engine.submit(PROMPTS[2], max_tokens=50)
+    got = []
+    for _ in range(4):
+        got += [t for i, r in engine.step() if i == rid for t in r.tokens]
+    engine.cancel(rid)
+    engine.step()
+    assert engine.idle and len(store) == 1
+    pair, cached = store.fetch(PROMPTS[2] + got + [5])
+    assert cached == len(PROMPTS[2]) + len(got) - 1  # the last token is the next anchor
+
+
+def test_a_seeded_request_draws_from_its_own_stream():
+    """The same seed gives the same sample whatever else runs beside it."""
+    model = make_target("qwen3", seed=2)
+    drafter = make_drafter(model, block_size=4)
+    tok = make_tokenizer(128)
+
+    def sample(beside: int) -> list[int]:
+        engine = BatchEngine(model, drafter, tok, block_size=4)
+        rid = engine.submit(PROMPTS[0], max_tokens=10, temperature=1.0, seed=1234)
+        for p in PROMPTS[1 : 1 + beside]:
+            engine.submit(p, max_tokens=10, temperature=1.0)
+        out = []
+        while not engine.idle:
+            out += [t for i, r in engine.step() if i == rid for t in r.tokens]
+        return out
+
+    mx.random.seed(0)
+    alone = sample(0)
+    mx.random.seed(1)
+    assert sample(0) == alone
+    mx.random.seed(2)
+    assert sample(3) == alone
