@@ -206,7 +206,7 @@ def test_worker_runs_jobs_on_one_thread_in_arrival_order(monkeypatch):
         yield GenerationResponse(f"t{prompt[0]}", [5], 0, stats, "length")
 
     monkeypatch.setattr(worker_mod, "stream_generate", fake_generate)
-    w = worker_mod.ModelWorker(stand_in_pool())
+    w = worker_mod.ModelWorker(stand_in_pool(), max_batch=1)
 
     async def run():
         loop = asyncio.get_running_loop()
@@ -236,7 +236,7 @@ def test_stop_cancels_running_and_queued_jobs(monkeypatch):
             yield GenerationResponse("x", [5], 0, stats)
 
     monkeypatch.setattr(worker_mod, "stream_generate", endless)
-    w = worker_mod.ModelWorker(stand_in_pool())
+    w = worker_mod.ModelWorker(stand_in_pool(), max_batch=1)
 
     async def run():
         loop = asyncio.get_running_loop()
@@ -393,11 +393,7 @@ def test_internal_errors_are_500_and_the_server_survives(server, monkeypatch):
     def crash(*args, **kwargs):
         raise RuntimeError("boom")
 
-    def broken_generate(*args, **kwargs):
-        crash()
-        yield
-
-    monkeypatch.setattr(worker_mod, "stream_generate", broken_generate)
+    monkeypatch.setattr(worker_mod.BatchedEngine, "_cycle", crash)  # a crash mid-decoding
     r = httpx.post(f"{server.url}{COMP}", json=OK_COMP)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     with httpx.stream("POST", f"{server.url}{COMP}", json={**OK_COMP, "stream": True}) as r:

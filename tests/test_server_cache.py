@@ -232,7 +232,8 @@ def tool_server(monkeypatch):
     monkeypatch.setattr(worker_mod, "stream_generate", fake_generate)
     model = make_target("qwen3", vocab_size=V)
     served = served_model(NAME, model, None, tokenizer(tool_calling=True))
-    with BackgroundServer(create_app(models=[served], cache=CacheSettings(memory=0))) as srv:
+    with BackgroundServer(create_app(models=[served], cache=CacheSettings(memory=0),
+                                     max_batch=1)) as srv:
         yield srv
 
 

@@ -79,6 +79,9 @@ def serve(
     cache_disk: Optional[str] = typer.Option(
         None, "--cache-disk", help="Most bytes of prefix caches on disk, per model (oldest use "
         "out first). Default: no limit."),
+    max_batch: int = typer.Option(
+        8, "--max-batch", min=1, help="Requests decoded together (continuous batching, one "
+        "verify pass for all); more wait their turn. 1: one at a time."),
     log_level: str = typer.Option("info", "--log-level"),
     copy: bool = typer.Option(COPY_DRAFTS, "--copy/--no-copy",
                               help="Copy drafts: verify what followed an earlier occurrence of "
@@ -108,7 +111,7 @@ def serve(
             served[-1].model = served[-1].drafter = None  # loaded again on first use
     try:
         server_app = create_app(models=served, model_memory=budget, cache=cache,
-                                api_key=api_key, copy_drafts=copy)
+                                api_key=api_key, copy_drafts=copy, max_batch=max_batch)
     except ValueError as e:
         fail(str(e))
     names = ", ".join(f"'{s.name}'" for s in served)

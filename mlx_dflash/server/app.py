@@ -55,17 +55,19 @@ def create_app(
     block_size: int | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     copy_drafts: bool = COPY_DRAFTS,
+    max_batch: int = 8,
 ) -> FastAPI:
     """An app serving ``model`` (with ``drafter``; None: the target alone) as ``model_name``,
     or several ``models`` by name (the first is the default; at most ``model_memory`` bytes of
-    weights stay loaded). ``cache``: the prefix caches (default: in memory only)."""
+    weights stay loaded). ``cache``: the prefix caches (default: in memory only).
+    ``max_batch``: how many requests decode together (1: one at a time)."""
     if models is None:
         if model_name is None:
             raise ValueError("model_name is required with a single model")
         models = [served_model(model_name, model, drafter, tokenizer, block_size=block_size,
                                max_context=max_context)]
     pool = ModelPool(models, max_bytes=model_memory, cache=cache)
-    worker = ModelWorker(pool, copy_drafts)
+    worker = ModelWorker(pool, copy_drafts, max_batch)
     created = int(time.time())
 
     @asynccontextmanager
@@ -133,7 +135,8 @@ def create_app(
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": pool.default, "models": pool.names,
-                "loaded": pool.loaded(), "pending": worker.pending}
+                "loaded": pool.loaded(), "running": worker.running,
+                "waiting": worker.waiting, "pending": worker.pending}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

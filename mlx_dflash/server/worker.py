@@ -1,25 +1,31 @@
-"""The model worker: one thread owns the models and runs jobs one at a time, in arrival order.
+"""The model worker: one thread owns the models and runs every job, many at once.
 
-MLX and the decode loop are not meant to run on two threads at once, and a single queue keeps
-requests first come, first served. The thread also loads and unloads models (``ModelPool``) and
-keeps each model's prefix cache. Results go back to the event loop through
-``loop.call_soon_threadsafe`` so streaming never blocks it.
+MLX and the decode loop are not meant to run on two threads at once, so one thread runs an
+engine over the jobs of one served model: the batch engine (continuous batching: jobs join and
+leave between its steps, one target pass verifies them all), or, for targets it cannot hold or
+with ``max_batch=1``, :class:`SequentialEngine` (one job at a time, in arrival order). Jobs for
+another model wait until the engine has drained, and then it is that model's turn. The thread
+also loads and unloads models (``ModelPool``) and keeps each model's prefix cache. Results go
+back to the event loop through ``loop.call_soon_threadsafe`` so streaming never blocks it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import itertools
 import logging
 import queue
 import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator, Protocol, Sequence
 
 import mlx.core as mx
 
-from ..decode import stream_generate, stream_generate_cached
+from ..batch import BatchEngine, BatchNotSupported
+from ..decode import GenerationResponse, stream_generate, stream_generate_cached
 from ..policy import COPY_DRAFTS
 from .models import ModelPool
 from .stops import StopMatcher
@@ -83,6 +89,11 @@ class Job:
     def cancel(self) -> None:
         self.cancelled.set()
 
+    @property
+    def sampling(self) -> dict[str, Any]:
+        return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                    top_k=self.top_k, seed=self.seed, checkpoints=self.checkpoints)
+
     def push(self, event: Event) -> None:
         """Hand an event to the request's event loop (called from the worker thread)."""
         if self.loop is None:
@@ -93,21 +104,134 @@ class Job:
             self.cancel()
 
 
-class ModelWorker:
-    """Runs the pool's models; ``submit`` queues a job, the thread runs it."""
+class Engine(Protocol):
+    """What the worker drives: requests in, ``(request id, response)`` out, a step at a time."""
 
-    def __init__(self, pool: ModelPool, copy_drafts: bool = COPY_DRAFTS):
-        self.pool, self.copy_drafts = pool, copy_drafts
+    idle: bool
+    running_ids: list[int]  # requests that would fail with a failing step
+    waiting_ids: list[int]  # queued requests a failing step leaves untouched
+
+    def submit(self, prompt: Sequence[int], **sampling: Any) -> int: ...
+    def step(self) -> list[tuple[int, GenerationResponse]]: ...
+    def cancel(self, request_id: int) -> None: ...
+
+
+class BatchedEngine(BatchEngine):
+    """The batch engine over a served model (its prefix cache included)."""
+
+    def __init__(self, served: Any, copy_drafts: bool, max_batch: int):
+        super().__init__(served.model, served.drafter, served.tokenizer, max_batch=max_batch,
+                         block_size=served.block_size, copy_drafts=copy_drafts,
+                         prefix_cache=served.prefix_cache)
+
+    @property
+    def running_ids(self) -> list[int]:
+        return [r.id for r in self.running]
+
+    @property
+    def waiting_ids(self) -> list[int]:
+        return [r.id for r in self.waiting]
+
+
+class SequentialEngine:
+    """One request at a time through ``stream_generate`` (through the model's prefix cache
+    when it has one), in arrival order: for targets the batch engine cannot hold."""
+
+    def __init__(self, served: Any, copy_drafts: bool):
+        self.served, self.copy_drafts = served, copy_drafts
+        self.waiting: deque[tuple[int, list[int], dict[str, Any]]] = deque()
+        self.current: tuple[int, Iterator[GenerationResponse]] | None = None
+        self._ids = itertools.count()
+
+    @property
+    def idle(self) -> bool:
+        return self.current is None and not self.waiting
+
+    @property
+    def running_ids(self) -> list[int]:
+        return [] if self.current is None else [self.current[0]]
+
+    @property
+    def waiting_ids(self) -> list[int]:
+        return [i for i, _, _ in self.waiting]
+
+    def submit(self, prompt: Sequence[int], **sampling: Any) -> int:
+        request_id = next(self._ids)
+        self.waiting.append((request_id, list(prompt), sampling))
+        return request_id
+
+    def cancel(self, request_id: int) -> None:
+        if self.current is not None and self.current[0] == request_id:
+            self._close()
+        self.waiting = deque(w for w in self.waiting if w[0] != request_id)
+
+    def step(self) -> list[tuple[int, GenerationResponse]]:
+        if self.current is None:
+            if not self.waiting:
+                return []
+            request_id, prompt, sampling = self.waiting.popleft()
+            self.current = (request_id, self._start(prompt, **sampling))
+        request_id, gen = self.current
+        try:
+            response = next(gen)
+        except BaseException:
+            self.current = None  # the worker fails it; its generator is gone
+            raise
+        if response.finish_reason is not None:
+            self._close()
+        return [(request_id, response)]
+
+    def _start(self, prompt: list[int], *, seed: int | None, checkpoints: list[int],
+               **kwargs: Any) -> Iterator[GenerationResponse]:
+        served = self.served
+        if seed is not None:
+            mx.random.seed(seed % 2**64)
+        kwargs.update(block_size=served.block_size, copy_drafts=self.copy_drafts)
+        args = (served.model, served.drafter, served.tokenizer, prompt)
+        if served.prefix_cache is None:
+            return stream_generate(*args, **kwargs)
+        return stream_generate_cached(served.prefix_cache, *args, checkpoints=checkpoints,
+                                      generate=stream_generate, **kwargs)
+
+    def _close(self) -> None:
+        _, gen = self.current
+        self.current = None
+        try:  # exit the decode loop's MLX stream context on this thread; store caches
+            gen.close()
+        except Exception:  # noqa: BLE001 (a cache that cannot be stored costs a prefill)
+            log.exception("storing the prompt cache failed")
+
+
+@dataclass
+class _Active:
+    """A job inside an engine."""
+
+    job: Job
+    stops: StopMatcher
+    started: bool = False
+
+
+class ModelWorker:
+    """Runs the pool's models; ``submit`` queues a job, the thread runs it. ``max_batch``:
+    how many jobs of one model decode together (1: one at a time)."""
+
+    def __init__(self, pool: ModelPool, copy_drafts: bool = COPY_DRAFTS, max_batch: int = 8):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.pool, self.copy_drafts, self.max_batch = pool, copy_drafts, max_batch
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._current: Job | None = None
-        self.busy = False
+        self._backlog: deque[Job] = deque()  # taken from the queue, not yet in an engine
+        self._engine: Engine | None = None
+        self._model: str | None = None  # the engine's model
+        self._active: dict[int, _Active] = {}  # engine request id -> its job
+        self.running = self.waiting = 0  # jobs decoding / queued (read by /health)
         _live_workers.add(self)
 
     @property
     def pending(self) -> int:
-        return self._jobs.qsize() + int(self.busy)
+        return self.running + self.waiting
 
     def start(self) -> None:
         with self._lock:
@@ -118,6 +242,7 @@ class ModelWorker:
 
     def submit(self, job: Job) -> Job:
         self.start()  # (re)started lazily: an app can outlive one server's lifespan
+        self.waiting += 1
         self._jobs.put(job)
         return job
 
@@ -128,86 +253,153 @@ class ModelWorker:
             thread, self._thread = self._thread, None
             if thread is None or not thread.is_alive():
                 return
-            pending = [self._current]
-            while not self._jobs.empty():
-                pending.append(self._jobs.get_nowait())
-            for job in pending:
-                if job is not None and not job.cancelled.is_set():
-                    job.cancel()
-                    job.push(Failed("the server is shutting down"))
-            self._jobs.put(None)
+            self._jobs.put(None)  # the thread fails what it still holds, then ends
             thread.join(timeout)
 
+    # -- the thread ------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while (job := self._jobs.get()) is not None:
-                if job.cancelled.is_set():
-                    job.outcome = "cancelled"
-                    continue
-                self.busy, self._current = True, job
-                try:
-                    self._generate(job)
-                finally:
-                    self.busy, self._current = False, None
-                if self._jobs.empty():
+            while self._take(block=self._idle):
+                self._drop_cancelled()
+                self._feed_engine()
+                if self._engine is not None:
+                    self._step()
+                self._count()
+                if self._idle and self._jobs.empty():
                     mx.clear_cache()  # idle: give the buffer cache back so memory returns to base
         finally:
+            self._fail_all("the server is shutting down")
             # Thread-local MLX streams must be torn down by their own thread; left to process
             # exit they can abort the interpreter ("terminate called without an active exception").
             mx.synchronize()
             if hasattr(mx, "clear_streams"):  # mlx >= 0.32
                 mx.clear_streams()
 
-    def _start(self, job: Job) -> Any:
-        """The job's generator, through its model's prefix cache when there is one."""
-        served = self.pool.acquire(job.model)
-        kwargs = dict(max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p,
-                      top_k=job.top_k, block_size=served.block_size, copy_drafts=self.copy_drafts)
-        args = (served.model, served.drafter, served.tokenizer, job.prompt)
-        if served.prefix_cache is None:
-            return stream_generate(*args, **kwargs)
-        return stream_generate_cached(served.prefix_cache, *args, checkpoints=job.checkpoints,
-                                      generate=stream_generate, **kwargs)
+    @property
+    def _idle(self) -> bool:
+        return not self._backlog and (self._engine is None or self._engine.idle)
 
-    def _generate(self, job: Job) -> None:
-        if job.seed is not None:
-            mx.random.seed(job.seed % 2**64)
-        stops = StopMatcher(job.stop)
-        stats, reason, gen = None, "length", None
+    def _take(self, block: bool) -> bool:
+        """Move queued jobs to the backlog (waiting for one if there is nothing to do);
+        False once ``stop`` asked the thread to end."""
+        while True:
+            try:
+                job = self._jobs.get(block=block)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            self._backlog.append(job)
+            block = False
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._backlog if j.cancelled.is_set()]:
+            job.outcome = "cancelled"
+            self._backlog.remove(job)
+        for request_id, active in list(self._active.items()):
+            if active.job.cancelled.is_set():
+                active.job.outcome = "cancelled"
+                self._engine.cancel(request_id)
+                del self._active[request_id]
+
+    def _feed_engine(self) -> None:
+        """Hand backlog jobs of the engine's model to it. Jobs for another model wait: the
+        engine takes no more and drains, then that model gets an engine of its own."""
+        if self._engine is not None and self._engine.idle and any(
+                j.model != self._model for j in self._backlog):
+            self._engine, self._model = None, None
+        if self._engine is None and self._backlog:
+            job = self._backlog[0]
+            try:
+                self._engine = self._make_engine(job.model)
+                self._model = job.model
+            except Exception as e:  # noqa: BLE001 (a model that cannot load fails its job only)
+                log.exception("loading the model failed")
+                self._backlog.popleft()
+                self._fail(job, e)
+                return
+        if any(j.model != self._model for j in self._backlog):
+            return  # draining for the next model in line
+        while self._backlog:
+            job = self._backlog.popleft()
+            try:
+                request_id = self._engine.submit(job.prompt, **job.sampling)
+            except Exception as e:  # noqa: BLE001 (a malformed job fails alone)
+                self._fail(job, e)
+                continue
+            self._active[request_id] = _Active(job, StopMatcher(job.stop))
+
+    def _make_engine(self, model: str | None) -> Engine:
+        served = self.pool.acquire(model)
+        if self.max_batch > 1 and served.model is not None:
+            try:
+                return BatchedEngine(served, self.copy_drafts, self.max_batch)
+            except BatchNotSupported as e:
+                log.info("serving '%s' one request at a time: %s", served.name, e)
+        return SequentialEngine(served, self.copy_drafts)
+
+    def _step(self) -> None:
+        engine = self._engine
         try:
-            gen = self._start(job)
-            for response in gen:
-                if job.cancelled.is_set():
-                    job.outcome = "cancelled"
-                    return
-                if stats is None:
-                    job.push(Started(response.stats.prompt_tokens,
-                                     getattr(response.stats, "cached_tokens", 0)))
-                stats = response.stats
-                text, hit = stops.feed(response.text)
-                if text:
-                    job.push(Delta(text))
-                if hit:
-                    reason = "stop"
-                    break
-                if response.finish_reason is not None:
-                    reason = response.finish_reason
-                    if tail := stops.flush():
-                        job.push(Delta(tail))
-                    break
-            # The client has its answer before the caches are stored (gen.close() below).
-            job.outcome = "done"
-            job.push(_done(reason, stats, len(job.prompt), stops.matched))
-        except Exception as e:  # noqa: BLE001 (one bad job must not take the worker down)
+            responses = engine.step()
+        except Exception as e:  # noqa: BLE001 (a failed step fails its requests, not the worker)
             log.exception("generation failed")
-            job.outcome = "failed"
-            job.push(Failed(f"{type(e).__name__}: {e}"))
-        finally:
-            if gen is not None:
-                try:  # exit the decode loop's MLX stream context on this thread; store caches
-                    gen.close()
-                except Exception:  # noqa: BLE001 (a cache that cannot be stored costs a prefill)
-                    log.exception("storing the prompt cache failed")
+            waiting = set(engine.waiting_ids)
+            for request_id in [i for i in self._active if i not in waiting]:
+                self._fail(self._active.pop(request_id).job, e)
+            # The engine's state is suspect: its queued jobs start over in a fresh one.
+            self._backlog.extendleft(reversed([self._active.pop(i).job
+                                               for i in engine.waiting_ids if i in self._active]))
+            self._engine = self._model = None
+            return
+        for request_id, response in responses:
+            if (active := self._active.get(request_id)) is not None:
+                self._deliver(request_id, active, response)
+
+    def _deliver(self, request_id: int, active: _Active, response: GenerationResponse) -> None:
+        job = active.job
+        if not active.started:
+            active.started = True
+            job.push(Started(response.stats.prompt_tokens, response.stats.cached_tokens))
+        text, hit = active.stops.feed(response.text)
+        if text:
+            job.push(Delta(text))
+        reason = "stop" if hit else response.finish_reason
+        if reason is None:
+            return
+        if not hit and (tail := active.stops.flush()):
+            job.push(Delta(tail))
+        if hit:
+            self._engine.cancel(request_id)  # it leaves (and stores its caches) next step
+        del self._active[request_id]
+        job.outcome = "done"
+        job.push(_done(reason, response.stats, len(job.prompt), active.stops.matched))
+
+    def _count(self) -> None:
+        engine = self._engine
+        running = len(engine.running_ids) if engine is not None else 0
+        self.running = running
+        self.waiting = len(self._active) - running + len(self._backlog) + self._jobs.qsize()
+
+    def _fail(self, job: Job, error: BaseException | str) -> None:
+        job.outcome = "failed"
+        job.push(Failed(error if isinstance(error, str) else f"{type(error).__name__}: {error}"))
+
+    def _fail_all(self, message: str) -> None:
+        running = set(self._engine.running_ids) if self._engine is not None else set()
+        for request_id in running & set(self._active):
+            self._active[request_id].job.outcome = "cancelled"
+        jobs = [a.job for a in self._active.values()] + list(self._backlog)
+        while not self._jobs.empty():
+            jobs.append(self._jobs.get_nowait())
+        self._active.clear()
+        self._backlog.clear()
+        for job in jobs:
+            if job is not None and not job.cancelled.is_set():
+                job.cancel()
+                job.push(Failed(message))
+        self._engine = self._model = None
+        self.running = self.waiting = 0
 
 
 def _done(reason: str, stats: Any, prompt_tokens: int, stop_sequence: str | None) -> Done:
