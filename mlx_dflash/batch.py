@@ -5,7 +5,9 @@ unread features; ``policy.BlockPolicy``: copy, n-gram and scheduler choices; ``d
 stops, ``max_tokens``, detokenizing), except the target cache: all requests' target caches are
 rows of one :class:`~mlx_dflash.batch_cache.RaggedKVCache` per layer. A step:
 
-1. admits waiting requests up to ``max_batch`` (each prefilled alone, then added as a row);
+1. admits waiting requests up to ``max_batch`` and memory: each is prefilled alone (whole when
+   nothing runs, else ``prefill_chunk`` tokens a step, so that the others keep decoding), then
+   added as a row;
 2. drafts for every running request (its own K, 0 included: the blocks are ragged);
 3. runs one target pass over ``[anchor] + drafts`` of every row, right-padded to the longest;
 4. accepts each row with its own sampling parameters (``cycle.accepted_cycle``), one host sync
@@ -30,7 +32,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .accept import RandomStream, SamplingParams, sample_first
 from .batch_cache import RaggedKVCache
-from .cycle import DEFAULT_PREFILL_STEP, DRAFTER, PLAIN, Cycle, Speculator, accepted_cycle
+from .cycle import (
+    DEFAULT_PREFILL_STEP, DRAFTER, PLAIN, Cycle, Speculator, accepted_cycle, prefill,
+)
 from .decode import GenerationResponse, GenerationStats, TextStream, continue_from
 from .drafters import check_fits
 from .drafters.base import Drafter, drafting, verify_width
@@ -57,6 +61,8 @@ class _Request:
     policy: BlockPolicy | None = None
     anchor: mx.array | None = None  # the last committed token, not yet in the target cache
     checkpoints: Sequence[int] = ()  # where to store the prompt's caches (see continue_from)
+    prefilled: int = 0  # prompt tokens in its caches so far (a joining request's prefill)
+    prefill_s: float = 0.0
     cancelled: bool = False
 
     @property
@@ -85,7 +91,7 @@ class BatchEngine:
                  max_batch: int = 8, block_size: int | None = None, schedule: bool = True,
                  copy_drafts: bool = COPY_DRAFTS, copy_ngram: int = COPY_NGRAM,
                  prefill_step_size: int = DEFAULT_PREFILL_STEP, reserve_bytes: int = 256 << 20,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, prefill_chunk: int = 256):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.target = as_target(model)
@@ -108,6 +114,9 @@ class BatchEngine:
                       if self.auto and self.drafter is not None else None)
         self.copy_drafts, self.copy_ngram = copy_drafts, copy_ngram
         self.max_batch, self.prefill_step = max_batch, prefill_step_size
+        # Prompt tokens prefilled per step while others decode: a long prompt joins over
+        # several steps instead of stalling them for its whole prefill.
+        self.prefill_chunk = prefill_chunk
         self.reserve_bytes = reserve_bytes
         self.store = prefix_cache  # requests continue from it and leave their caches in it
         self.position_bytes = kv_bytes_per_position(self.target)
@@ -115,15 +124,16 @@ class BatchEngine:
         self.cache = [RaggedKVCache() for _ in range(self.target.num_layers)]
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []  # in the batch cache's row order
+        self.joining: _Request | None = None  # admitted, its prompt being prefilled
         self._ids = itertools.count()
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and self.joining is None
 
     @property
     def requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + (self.joining is not None)
 
     def submit(self, prompt: str | Sequence[int] | mx.array, *, max_tokens: int = 256,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -144,7 +154,8 @@ class BatchEngine:
 
     def cancel(self, request_id: int) -> None:
         """Stop a request (it leaves at the next step, with no further response)."""
-        for r in itertools.chain(self.waiting, self.running):
+        joining = [self.joining] if self.joining is not None else []
+        for r in itertools.chain(self.waiting, self.running, joining):
             if r.id == request_id:
                 r.cancelled = True
 
@@ -152,14 +163,39 @@ class BatchEngine:
         """Admit what fits, then run one batched cycle; the responses it produced."""
         responses: list[tuple[int, GenerationResponse]] = []
         self.waiting = deque(r for r in self.waiting if not r.cancelled)
-        while (self.waiting and len(self.running) < self.max_batch
-               and self._fits(self.waiting[0])):
-            self._admit(self.waiting.popleft(), responses)
+        self._admit(responses)
         self._leave()
         if self.running:
             self._cycle(responses)
             self._leave()
         return responses
+
+    def _admit(self, responses: list) -> None:
+        """Start waiting requests while they fit, and prefill them: whole while nothing runs,
+        else ``prefill_chunk`` prompt tokens per step; a request whose prompt is in joins."""
+        budget = self.prefill_chunk if self.running else None  # None: no one to stall
+        if self.joining is not None and self.joining.cancelled:
+            r, self.joining = self.joining, None
+            if r.spec.pair is not None:  # what it prefilled so far is worth keeping
+                r.spec.pair.hold(r.tokens[: r.prefilled])
+                self.store.insert(r.spec.pair)
+        while budget is None or budget > 0:
+            if self.joining is None:
+                if not (self.waiting and len(self.running) < self.max_batch
+                        and self._fits(self.waiting[0])):
+                    return
+                self.joining = self.waiting.popleft()
+                self._start(self.joining)
+            r = self.joining
+            left = len(r.tokens) - r.prefilled
+            take = left if budget is None else min(left, budget)
+            logits = self._prefill(r, take)
+            if budget is not None:
+                budget -= take
+            if take < left:
+                return
+            self.joining = None
+            self._join(r, logits, responses)
 
     def _fits(self, r: _Request) -> bool:
         """Whether free memory holds one more row for this request at its full length: the
@@ -172,25 +208,39 @@ class BatchEngine:
         held = sum(layer.nbytes for layer in self.cache)
         return memory_headroom() + held - self.reserve_bytes >= need
 
-    def _admit(self, r: _Request, responses: list) -> None:
-        """Prefill a request alone, commit its first token and add it as a batch row."""
+    def _start(self, r: _Request) -> None:
+        """A request's own state: its block policy and caches (continued from the prefix
+        store when there is one)."""
+        tic = time.perf_counter()
         r.policy = BlockPolicy.for_request(self.target, self.drafter, self.width, r.tokens,
                                            self.auto, self.copy_drafts, self.copy_ngram)
-        tic = time.perf_counter()
         pair = None
         if self.store is not None:
             pair, _ = continue_from(self.store, r.tokens, self.target, self.drafter,
                                     checkpoints=r.checkpoints, step=self.prefill_step)
         r.spec = Speculator(self.target, self.drafter, r.params, self.width, r.tokens, pair)
-        r.stats.cached_tokens = r.spec.cached
-        r.anchor = sample_first(r.spec.prefill(r.tokens, self.prefill_step), r.params)
+        r.stats.cached_tokens = r.prefilled = r.spec.cached
+        r.prefill_s = time.perf_counter() - tic
+
+    def _prefill(self, r: _Request, n: int) -> mx.array:
+        """The next ``n`` prompt tokens into the request's own caches; the last one's logits."""
+        tic = time.perf_counter()
+        logits = prefill(self.target, r.tokens[r.prefilled : r.prefilled + n], r.spec.cache,
+                         self.drafter, r.spec.draft_cache, self.prefill_step)
+        r.prefilled += n
+        r.prefill_s += time.perf_counter() - tic
+        return logits
+
+    def _join(self, r: _Request, logits: mx.array, responses: list) -> None:
+        """The prompt is in: commit the first token and add the request as a batch row."""
+        r.anchor = sample_first(logits, r.params)
         r.text.tic = time.perf_counter()
-        r.stats.prompt_tps = r.stats.prefilled_tokens / (r.text.tic - tic)
+        r.stats.prompt_tps = r.stats.prefilled_tokens / max(r.prefill_s, 1e-9)
         for layer, c in zip(self.cache, r.spec.cache):
             layer.add_row(*filled_kv(c))
         r.spec.cache = None  # its rows in the batch cache stand in for it from now on
-        if pair is not None:
-            pair.target = None  # (given back as the rows when the request leaves)
+        if r.spec.pair is not None:
+            r.spec.pair.target = None  # (given back as the rows when the request leaves)
         self.running.append(r)
         self._commit(r, [r.anchor.item()], 0, responses)
 

@@ -66,3 +66,38 @@ def test_a_seeded_request_draws_from_its_own_stream():
     assert sample(0) == alone
     mx.random.seed(2)
     assert sample(3) == alone
+
+
+def test_a_long_prompt_joins_over_several_steps_while_the_others_decode():
+    from test_batch import check_against_solo
+
+    model = make_target("qwen3", seed=2)
+    drafter = make_drafter(model, block_size=4)
+    engine = BatchEngine(model, drafter, make_tokenizer(128), block_size=4, prefill_chunk=16)
+    short = [PROMPTS[1], PROMPTS[3]]
+    long_prompt = (PROMPTS[5] * 3)[:150]
+    ids = [engine.submit(p, max_tokens=40) for p in short]
+    out = {i: [] for i in ids}
+    reasons = {}
+
+    def step():
+        produced = set()
+        for rid, r in engine.step():
+            out.setdefault(rid, []).extend(r.tokens)
+            produced.add(rid)
+            if r.finish_reason:
+                reasons[rid] = r.finish_reason
+        return produced
+
+    step()
+    late = engine.submit(long_prompt, max_tokens=10)
+    waits = 0
+    while not (produced := step()) >= {late}:
+        assert produced >= set(ids)  # the running ones keep decoding meanwhile
+        waits += 1
+    assert waits >= 150 // 16 - 1
+    while not engine.idle:
+        step()
+    prompts = short + [long_prompt]
+    check_against_solo(model, prompts, [out[i] for i in (*ids, late)],
+                       [reasons.get(i) for i in (*ids, late)], [40, 40, 10])
