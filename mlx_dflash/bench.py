@@ -9,7 +9,7 @@ from __future__ import annotations
 import platform
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 
@@ -192,66 +192,117 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-def _engine_run(model: Any, drafter: Any, tokenizer: Any, prompts: list[list[int]],
-                max_tokens: int, **options: Any) -> tuple[list[list[int]], float, dict]:
-    """Our batch engine on prompts arriving together: (tokens of each, wall seconds, per-request
-    first-token and finish times from the start)."""
-    from .batch import BatchEngine
+def _arrivals(n: int, gap: float) -> list[float]:
+    """When each of a group's ``n`` requests arrives, in seconds from the group's start."""
+    return [i * gap for i in range(n)]
 
+
+def _serve(submit: Callable[[list[int]], Any], step: Callable[[], list[tuple[Any, list[int],
+           bool]]], prompts: list[list[int]], gap: float) -> tuple[list[list[int]], float, dict]:
+    """Drive a batching generator over prompts arriving ``gap`` seconds apart: submit each
+    when it arrives, step while any runs. ``step`` returns (id, new tokens, finished) triples.
+    Returns (tokens of each, wall seconds, each request's first-token and finish times from
+    its arrival)."""
+    arrive = _arrivals(len(prompts), gap)
+    ids: list[Any] = []
+    out: dict[Any, list[int]] = {}
+    first: dict[Any, float] = {}
+    finish: dict[Any, float] = {}
     tic = time.perf_counter()
-    engine = BatchEngine(model, drafter, tokenizer, max_batch=len(prompts), **options)
-    ids = [engine.submit(p, max_tokens=max_tokens) for p in prompts]
-    out = {i: [] for i in ids}
-    first, finish = {}, {}
-    while not engine.idle:
-        for rid, r in engine.step():
-            out[rid] += r.tokens
-            first.setdefault(rid, time.perf_counter() - tic)
-            if r.finish_reason is not None:
-                finish[rid] = time.perf_counter() - tic
+    while len(finish) < len(prompts):
+        now = time.perf_counter() - tic
+        while len(ids) < len(prompts) and arrive[len(ids)] <= now:
+            ids.append(submit(prompts[len(ids)]))
+            out[ids[-1]] = []
+        if len(ids) == len(finish):  # all that arrived are done: wait for the next one
+            time.sleep(max(0.0, arrive[len(ids)] - now))
+            continue
+        for rid, tokens, done in step():
+            at = time.perf_counter() - tic - arrive[ids.index(rid)]
+            out[rid] += tokens
+            first.setdefault(rid, at)
+            if done:
+                finish[rid] = at
     return [out[i] for i in ids], time.perf_counter() - tic, {
         "ttft": [first[i] for i in ids], "latency": [finish[i] for i in ids]}
+
+
+def _engine_run(model: Any, drafter: Any, tokenizer: Any, prompts: list[list[int]],
+                max_tokens: int, gap: float = 0.0, **options: Any
+                ) -> tuple[list[list[int]], float, dict]:
+    """Our batch engine on prompts arriving ``gap`` seconds apart (see ``_serve``)."""
+    from .batch import BatchEngine
+
+    engine = BatchEngine(model, drafter, tokenizer, max_batch=len(prompts), **options)
+    return _serve(lambda p: engine.submit(p, max_tokens=max_tokens),
+                  lambda: [(i, r.tokens, r.finish_reason is not None) for i, r in engine.step()],
+                  prompts, gap)
+
+
+def _mlx_lm_run(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int,
+                gap: float = 0.0) -> tuple[list[list[int]], float, dict]:
+    """mlx-lm's ``BatchGenerator`` (plain batched decoding) on the same arrivals; tokens as
+    ``mlx_lm.batch_generate`` returns them (the stop token left out)."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids])
+    try:
+        return _serve(lambda p: gen.insert([p], [max_tokens])[0],
+                      lambda: [(r.uid, [r.token] if r.finish_reason != "stop" else [],
+                                r.finish_reason is not None) for r in gen.next_generated()],
+                      prompts, gap)
+    finally:
+        gen.close()
 
 
 def run_batch_bench(
     model: Any, drafter: Any, tokenizer: Any, prompt_sets: dict[str, list[str]],
     concurrency: list[int], max_tokens: int = 96, block_size: int = 4, progress: bool = True,
+    stagger: float = 0.0,
 ) -> dict:
-    """Per domain and concurrency c: the prompts in groups of c arriving together, each group
-    run by mlx-lm's ``batch_generate`` (plain decoding), our batch engine with the default
-    settings ("auto") and with a fixed block ("B=block_size"), and our single-request path one
-    request after another ("one by one"); interleaved group by group. Greedy."""
-    from mlx_lm import batch_generate as mlx_batch_generate
+    """Per domain and concurrency c: the prompts in groups of c, arriving together (or
+    ``stagger`` seconds apart), each group run by mlx-lm's ``BatchGenerator`` (plain batched
+    decoding), our batch engine with the default settings ("auto") and with a fixed block
+    ("B=block_size"), and our single-request path one request after another ("one by one");
+    interleaved group by group. Greedy. Latency and time to first token count from each
+    request's arrival."""
     from tqdm import tqdm
 
     def one_by_one(group: list[list[int]]) -> tuple[list[list[int]], float, dict]:
+        arrive = _arrivals(len(group), stagger)
         tic, outs, first, finish = time.perf_counter(), [], [], []
-        for prompt in group:
+        for prompt, at in zip(group, arrive):
+            time.sleep(max(0.0, at - (time.perf_counter() - tic)))
             tokens = []
             for r in stream_generate(model, drafter, tokenizer, prompt, max_tokens=max_tokens):
                 if not tokens:
-                    first.append(time.perf_counter() - tic)
+                    first.append(time.perf_counter() - tic - at)
                 tokens += r.tokens
-            finish.append(time.perf_counter() - tic)
+            finish.append(time.perf_counter() - tic - at)
             outs.append(tokens)
         return outs, time.perf_counter() - tic, {"ttft": first, "latency": finish}
 
-    variants = {"auto": lambda g: _engine_run(model, drafter, tokenizer, g, max_tokens),
+    variants = {"mlx-lm batched plain": lambda g: _mlx_lm_run(model, tokenizer, g, max_tokens,
+                                                              stagger),
+                "auto": lambda g: _engine_run(model, drafter, tokenizer, g, max_tokens,
+                                              stagger),
                 f"B={block_size}": lambda g: _engine_run(model, drafter, tokenizer, g,
-                                                         max_tokens, block_size=block_size),
+                                                         max_tokens, stagger,
+                                                         block_size=block_size),
                 "one by one": one_by_one}
     results: dict[str, Any] = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "device": str(mx.default_device()), "mlx": mx.__version__},
         "settings": {"max_tokens": max_tokens, "concurrency": concurrency, "greedy": True,
-                     "block_size": block_size, "arrivals": "together"},
+                     "block_size": block_size,
+                     "arrivals": f"{stagger:g} s apart" if stagger else "together"},
         "domains": {},
     }
     from .batch import BatchEngine
 
     BatchEngine(model, drafter, tokenizer)  # the first one times the passes: before any clock
     total = sum(len(p) // c for p in prompt_sets.values() for c in concurrency)
-    bar = tqdm(total=total * (1 + len(variants)), desc="batch bench", unit="run",
+    bar = tqdm(total=total * len(variants), desc="batch bench", unit="run",
                disable=not progress)
     for domain, texts in prompt_sets.items():
         prompts = [chat_prompt(tokenizer, t) for t in texts]
@@ -259,17 +310,12 @@ def run_batch_bench(
         for c in concurrency:
             groups = [prompts[i : i + c] for i in range(0, len(prompts) - c + 1, c)]
             rows = {name: {"tokens": 0, "seconds": 0.0, "ttft": [], "latency": [],
-                           "differing": 0} for name in ["mlx-lm batched plain", *variants]}
+                           "differing": 0} for name in variants}
             for group in groups:
-                tic = time.perf_counter()
-                ref = mlx_batch_generate(model, tokenizer, group, max_tokens=max_tokens,
-                                         return_token_ids=True).token_ids
-                base = rows["mlx-lm batched plain"]
-                base["seconds"] += time.perf_counter() - tic
-                base["tokens"] += sum(len(t) for t in ref)
-                bar.update(1)
+                ref = None
                 for name, run in variants.items():
                     outs, seconds, times = run(group)
+                    ref = ref or outs  # mlx-lm's, the first variant run
                     row = rows[name]
                     row["tokens"] += sum(len(t) for t in outs)
                     row["seconds"] += seconds

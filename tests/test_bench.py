@@ -58,3 +58,17 @@ def test_batch_bench_on_tiny_pair(tmp_path):
                 assert v["outputs_differing_from_mlx_lm"] == 0
                 assert v["latency_p50_s"] <= v["latency_p95_s"]
     assert "| chat | 2 | auto |" in format_batch_table(results)
+
+
+def test_batch_bench_with_staggered_arrivals():
+    from mlx_dflash.bench import run_batch_bench
+
+    model = make_target("qwen3", vocab_size=96)
+    sets = {"chat": ["w5 w6 w7", "w8 w9", "w10 w11 w12"]}
+    results = run_batch_bench(model, make_drafter(model, block_size=4),
+                              make_tokenizer(96, eos_id=96), sets, [3], max_tokens=8,
+                              block_size=3, progress=False, stagger=0.2)
+    assert results["settings"]["arrivals"] == "0.2 s apart"
+    for name, v in results["domains"]["chat"]["3"].items():
+        assert v["tokens"] == 24 and v["outputs_differing_from_mlx_lm"] == 0
+        assert v["seconds"] >= 0.4  # the last request arrives 0.4 s in

@@ -34,6 +34,9 @@ def bench(
                                           "arriving together, our batch engine against "
                                           "mlx-lm's batched plain decoding (the first "
                                           "--block-size is the fixed-block variant)."),
+    stagger: float = typer.Option(0.0, "--stagger", min=0.0,
+                                  help="With --concurrency: a group's requests arrive this "
+                                  "many seconds apart instead of together."),
 ) -> None:
     """Compare plain greedy decoding with DFlash at several block sizes (runs interleaved)."""
     from ..bench import (
@@ -57,7 +60,7 @@ def bench(
         fail("bench needs a drafter (--drafter)")
     if concurrency:
         results = run_batch_bench(target, draft, tokenizer, sets, list(concurrency), max_tokens,
-                                  block_size[0])
+                                  block_size[0], stagger=stagger)
     else:
         results = run_bench(target, draft, tokenizer, sets, list(block_size), max_tokens,
                             copy_drafts=copy, auto=auto)
