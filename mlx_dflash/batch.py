@@ -8,7 +8,8 @@ rows of one :class:`~mlx_dflash.batch_cache.RaggedKVCache` per layer. A step:
 1. admits waiting requests up to ``max_batch`` and memory: each is prefilled alone (whole when
    nothing runs, else ``prefill_chunk`` tokens a step, so that the others keep decoding), then
    added as a row;
-2. drafts for every running request (its own K, 0 included: the blocks are ragged);
+2. drafts for every running request (its own K, 0 included: the blocks are ragged), all
+   drafting requests in one drafter pass;
 3. runs one target pass over ``[anchor] + drafts`` of every row, right-padded to the longest;
 4. accepts each row with its own sampling parameters (``cycle.accepted_cycle``), one host sync
    for the whole batch, and each row keeps only its accepted prefix in the batch cache;
@@ -37,7 +38,7 @@ from .cycle import (
 )
 from .decode import GenerationResponse, GenerationStats, TextStream, continue_from
 from .drafters import check_fits
-from .drafters.base import Drafter, drafting, verify_width
+from .drafters.base import Drafter, Proposal, drafting, propose_all, verify_width
 from .policy import COPY_DRAFTS, COPY_NGRAM, BlockPolicy
 from .prefix_cache import PrefixCache
 from .prompts import encode_prompt
@@ -247,8 +248,7 @@ class BatchEngine:
     def _cycle(self, responses: list) -> None:
         """One batched draft -> verify -> accept over every running request."""
         plans = self._plan()
-        proposals = [r.spec.draft(r.anchor, K, block) for r, (K, block, _) in
-                     zip(self.running, plans)]
+        proposals = self._draft(plans)
         width = 1 + max(p.drafts.shape[0] for p in proposals)
         rows = [mx.concatenate([r.anchor, p.drafts, mx.zeros((width - 1 - p.drafts.shape[0],),
                                                              dtype=mx.uint32)])
@@ -275,6 +275,23 @@ class BatchEngine:
         for layer in self.cache:
             layer.commit(kept)
             layer.compact()  # when the rejected tails' holes take up a quarter of the slots
+
+    def _draft(self, plans: list[tuple[int, list[int], str]]) -> list[Proposal]:
+        """Each running request's block: the drafter's for all that draft in one pass (its
+        weights read once), looked-up blocks and empty ones as a single generation has them."""
+        proposals: list[Proposal | None] = [None] * len(plans)
+        drafting = [i for i, (K, block, _) in enumerate(plans) if K and not block]
+        if drafting:
+            rows = [self.running[i] for i in drafting]
+            for r in rows:
+                r.spec.catch_up()
+            batch = propose_all(self.drafter, self.target, [r.anchor for r in rows],
+                                [r.spec.draft_cache for r in rows], self.width,
+                                [plans[i][0] for i in drafting], [r.params for r in rows])
+            for i, p in zip(drafting, batch):
+                proposals[i] = p
+        return [p if p is not None else r.spec.draft(r.anchor, K, block)
+                for p, r, (K, block, _) in zip(proposals, self.running, plans)]
 
     def _plan(self) -> list[tuple[int, list[int], str]]:
         """Each running request's (drafts, looked-up block, source). Alone, a request plans as

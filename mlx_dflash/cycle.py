@@ -132,7 +132,7 @@ class Speculator:
             return Proposal(drafts, None if self.params.greedy else point_mass(drafts))
         if num_drafts == 0:
             return Proposal(mx.zeros((0,), dtype=mx.uint32))
-        self._feed_drafter()
+        self.catch_up()
         return self.drafter.propose(self.target, anchor, self.draft_cache, self.width,
                                     num_drafts, self.params)
 
@@ -181,7 +181,7 @@ class Speculator:
             _, features = self.target.hidden_states(last, self.cache, self.layer_ids)
         if self.drafter is not None:
             self.backlog.append(features[:, :1])
-            self._feed_drafter()
+            self.catch_up()
         self.pair.hold(self.held)
 
     def abandon(self) -> None:
@@ -190,11 +190,12 @@ class Speculator:
         if self.pair is None:
             return
         held = self.held[:-1]  # the last committed token is the anchor: not in the caches
-        self._feed_drafter()
+        self.catch_up()
         if self.pair.trim_to(len(held)):
             self.pair.hold(held)
 
-    def _feed_drafter(self) -> None:
+    def catch_up(self) -> None:
+        """Give the drafter the committed features it has not read yet."""
         if self.backlog:
             self.drafter.commit(mx.concatenate(self.backlog, axis=1), self.draft_cache)
             self.backlog.clear()

@@ -57,6 +57,28 @@ class Drafter(Protocol):
         """What decides the cost of one ``propose`` pass (names its cached timing)."""
 
 
+@runtime_checkable
+class BatchDrafter(Protocol):
+    """A drafter that drafts for many requests in one pass (its weights read once for all)."""
+
+    def propose_batch(self, target: Any, anchors: mx.array, caches: list[list[Any]],
+                      width: int, counts: list[int], params: list[SamplingParams]
+                      ) -> list[Proposal]:
+        """Row i: ``counts[i]`` drafts after ``anchors[i]`` over context ``caches[i]``, as
+        ``propose`` would give them."""
+
+
+def propose_all(drafter: Drafter, target: Any, anchors: list[mx.array], caches: list[list[Any]],
+                width: int, counts: list[int], params: list[SamplingParams]) -> list[Proposal]:
+    """Drafts for several requests: one batched pass where the drafter has one (and there is
+    more than one request), else one ``propose`` each."""
+    if len(anchors) > 1 and isinstance(drafter, BatchDrafter):
+        return drafter.propose_batch(target, mx.concatenate(anchors), caches, width, counts,
+                                     params)
+    return [drafter.propose(target, a, c, width, K, p)
+            for a, c, K, p in zip(anchors, caches, counts, params)]
+
+
 def verify_width(drafter: Drafter | None, block_size: int | None = None,
                  schedule: bool = True) -> int:
     """Most tokens one cycle verifies (the anchor and its drafts): ``block_size`` if given;

@@ -21,6 +21,11 @@ from .base import Proposal
 from .layers import DraftArgs, DraftLayer, block_mask, make_context_cache
 
 
+def _padded(a: mx.array, n: int, T: int) -> mx.array:
+    """A cache's first ``n`` positions [1, heads, n, d], zero-padded to ``T``."""
+    return mx.pad(a[..., :n, :], [(0, 0), (0, 0), (0, T - n), (0, 0)])
+
+
 class _Memo:
     """Arrays derived from the weights and kept between calls (a plain object, so that
     nn.Module never counts them as parameters)."""
@@ -179,6 +184,14 @@ class DFlashDraftModel(nn.Module):
         embeds = self.embed_block(target, mx.concatenate([anchor, mask_ids])[None])
         return self(embeds, cache)[0]
 
+    first_draft_slot: ClassVar[int] = 1  # the block slot whose hidden state gives draft 1
+
+    def block_width(self, width: int) -> int:
+        """The block a pass runs: the trained width, or ``width`` inputs if that is more (its
+        attention over the MASK slots is bidirectional: the width is part of what it was
+        trained on)."""
+        return max(width, self.block_size)
+
     def propose(
         self,
         target: Any,
@@ -188,12 +201,63 @@ class DFlashDraftModel(nn.Module):
         num_drafts: int,
         params: SamplingParams,
     ) -> Proposal:
-        """K draft target ids, and their proposal distribution [K, V] when sampling. The block
-        has the trained width, or ``width`` inputs if that is more (its attention over the
-        MASK slots is bidirectional: the block width is part of what it was trained on)."""
-        block = max(width, self.block_size)
-        logits = self.draft_logits(target, anchor, cache, block, num_drafts)
+        """K draft target ids, and their proposal distribution [K, V] when sampling."""
+        s = self.first_draft_slot
+        hidden = self.block_hidden(target, anchor, cache, self.block_width(width))
+        hidden = hidden[s : s + num_drafts]
+        return self.propose_from(target, anchor, hidden, self.head(target, hidden), params)
+
+    def propose_batch(
+        self,
+        target: Any,
+        anchors: mx.array,
+        caches: list[list[Any]],
+        width: int,
+        counts: list[int],
+        params: list[SamplingParams],
+    ) -> list[Proposal]:
+        """Drafts for many requests in one pass: one block per request over its own context
+        (padded to the longest, masked), one head product for all their drafts."""
+        s = self.first_draft_slot
+        hidden = self.block_hidden_batch(target, anchors, caches, self.block_width(width))
+        rows = [hidden[i, s : s + K] for i, K in enumerate(counts)]
+        logits = self.head(target, mx.concatenate(rows))
+        ends = np.cumsum(counts).tolist()  # host-side counts: no sync
+        return [self.propose_from(target, anchors[i : i + 1], h, logits[end - K : end], p)
+                for i, (h, K, end, p) in enumerate(zip(rows, counts, ends, params))]
+
+    def propose_from(self, target: Any, anchor: mx.array, hidden: mx.array, logits: mx.array,
+                     params: SamplingParams) -> Proposal:
+        """The proposal from the drafts' hidden states [K, D] and draft logits [K, V']."""
         return Proposal(*proposal_from_logits(logits, params, self.vocab_ids, target.vocab_size))
+
+    def block_hidden_batch(
+        self, target: Any, anchors: mx.array, caches: list[list[Any]], block_size: int
+    ) -> mx.array:
+        """``block_hidden`` of many requests at once: [R, block_size, D]. Each request's context
+        is padded to the longest and masked; its block sits at its own positions."""
+        R = anchors.shape[0]
+        mask_ids = mx.full((R, block_size - 1), self.args.mask_token_id, dtype=anchors.dtype)
+        h = self.embed_block(target, mx.concatenate([anchors[:, None], mask_ids], axis=1))
+        lengths = [c[0].offset for c in caches]
+        T = max(lengths)
+        offsets = mx.array(lengths)
+        q_pos = offsets[:, None] + mx.arange(block_size)[None]  # [R, B]
+        ctx_pos = mx.arange(T)
+        held = ctx_pos[None, None, :] < offsets[:, None, None]  # [R, 1, T]
+        for i, layer in enumerate(self.layers):
+            keys = mx.concatenate([_padded(c[i].keys, c[i].offset, T) for c in caches])
+            values = mx.concatenate([_padded(c[i].values, c[i].offset, T) for c in caches])
+            ctx_ok = mx.broadcast_to(held, (R, block_size, T))
+            if layer.sliding_window is not None:
+                ctx_ok = ctx_ok & ((q_pos[:, :, None] - ctx_pos) < layer.sliding_window)
+            blk_ok = mx.ones((block_size, block_size), dtype=mx.bool_)
+            if layer.is_causal:
+                blk_ok = mx.tril(blk_ok)
+            blk_ok = mx.broadcast_to(blk_ok, (R, block_size, block_size))
+            mask = mx.concatenate([ctx_ok, blk_ok], axis=-1)[:, None]
+            h = layer(h, keys, values, offsets, mask)
+        return self.norm(h)
 
     def train_logits(
         self, target: Any, features: mx.array, blocks: mx.array, anchors: mx.array,

@@ -194,23 +194,13 @@ class DFlash2DraftModel(DFlashDraftModel):
         self.candidate_selector = CandidateSelector(args.hidden_size, n_prev, n_next,
                                                     args.selector_rank, args.selector_top_k)
 
-    def propose(
-        self,
-        target: Any,
-        anchor: mx.array,
-        cache: list[Any],
-        width: int,
-        num_drafts: int,
-        params: SamplingParams,
-    ) -> Proposal:
+    def propose_from(self, target: Any, anchor: mx.array, hidden: mx.array, logits: mx.array,
+                     params: SamplingParams) -> Proposal:
         """K drafts by the selector walk; when sampling, the proposal on each position's K
         candidates (verified by the candidates kernel: rejection sampling stays exact). The
-        block widens to ``width`` as DFlash's does."""
-        K = num_drafts
-        block = max(width, self.block_size)
-        hidden = self.block_hidden(target, anchor, cache, block)[1 : 1 + K]
+        block widens to the cycle's width as DFlash's does."""
         sel = self.candidate_selector
-        cand, unary_k = sel.candidates(self.head(target, hidden).astype(mx.float32))
+        cand, unary_k = sel.candidates(logits.astype(mx.float32))
         first, rest = sel.lattice(cand, unary_k, hidden, self.prev_rows(anchor)[0])
         picks, q = walk_path(first, rest, params.temperature, params.key())
         idx = mx.take_along_axis(cand, picks[:, None], axis=-1)[:, 0]

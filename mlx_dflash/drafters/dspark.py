@@ -226,24 +226,21 @@ class DSparkDraftModel(DFlashDraftModel):
         hidden = self.train_hidden(embeds, features, anchors)
         return self.block_logits(target, hidden, self.prev_rows(prev), candidates)
 
-    def propose(
-        self,
-        target: Any,
-        anchor: mx.array,
-        cache: list[Any],
-        width: int,
-        num_drafts: int,
-        params: SamplingParams,
-    ) -> Proposal:
+    first_draft_slot = 0  # g inputs give g drafts: the anchor slot predicts the first
+
+    def block_width(self, width: int) -> int:
+        return self.block_size  # the Markov head's slots are fixed
+
+    def propose_from(self, target: Any, anchor: mx.array, hidden: mx.array, unary: mx.array,
+                     params: SamplingParams) -> Proposal:
         """K <= g drafts by the Markov walk from the anchor (lazy: no host sync), with their
-        calibrated survival confidences where the drafter has a confidence head.
+        calibrated survival confidences where the drafter has a confidence head; ``hidden``
+        [K, D] and ``unary`` [K, V'] are the slots' states and head logits.
 
         With ``walk_candidates`` M, slot k draws only among the M tokens its unary logits rank
         highest, so a walk step reads M rows of W2 instead of all of them (most of the walk's
         cost on a CPU); the proposal is then zero outside them, which verification handles."""
-        K = num_drafts
-        hidden = self.block_hidden(target, anchor, cache, self.block_size)[:K]
-        unary = self.head(target, hidden)  # [K, V']
+        K = hidden.shape[0]
         M = self.walk_candidates
         cand = w2_rows = None
         if "markov_head" in self and 0 < M < unary.shape[-1]:
