@@ -307,6 +307,20 @@ class BatchCosts:
     ratio: dict[int, list[float]]  # rows -> T(rows, width) / T(1, width) for each of sizes
     sizes: tuple[int, ...]
     rows: tuple[int, ...] = BATCH_ROWS
+    # rows -> one drafter pass for that many requests / one for one (None: one pass each)
+    draft_ratio: dict[int, float] | None = None
+
+    def draft(self, rows: int) -> float:
+        """Seconds of drafting for ``rows`` requests (one batched drafter pass)."""
+        if rows == 0:
+            return 0.0
+        if self.draft_ratio is None:
+            return rows * self.single.draft_s
+        ratios = [self.draft_ratio[r] for r in self.rows]
+        scale = float(np.interp(rows, self.rows, ratios))
+        if rows > self.rows[-1]:  # beyond what was measured: linear in the rows
+            scale = ratios[-1] * rows / self.rows[-1]
+        return self.single.draft_s * scale
 
     def verify(self, rows: int, width: int, context: int) -> float:
         """Seconds of a target pass over ``rows`` rows of ``width`` tokens at ``context``."""
@@ -346,6 +360,32 @@ def measure_batch_ratios(target: Target, max_tokens: int, reps: int = 3) -> dict
     return {r: [t / one for t, one in zip(per_rows[r], per_rows[1])] for r in BATCH_ROWS}
 
 
+def measure_draft_ratios(target: Target, drafter: Drafter, max_tokens: int, reps: int = 3
+                         ) -> dict[int, float]:
+    """One drafter pass for ``rows`` requests (``propose_all``) over one for one request, at
+    ``BATCH_CONTEXT``, for ``BATCH_ROWS``."""
+    from .drafters.base import propose_all
+
+    _, feats = target.hidden_states(mx.zeros((1, BATCH_CONTEXT), dtype=mx.uint32),
+                                    target.make_cache(), drafter.target_layer_ids)
+    contexts = []
+    for _ in range(BATCH_ROWS[-1]):
+        cache = drafter.make_cache()
+        drafter.commit(feats, cache)
+        contexts.append(cache)
+    mx.eval([c.state for cache in contexts for c in cache])
+    K = min(max_tokens - 1, drafter.max_drafts)
+
+    def draft_pass(rows: int) -> None:
+        anchors = [mx.zeros((1,), dtype=mx.uint32)] * rows
+        proposals = propose_all(drafter, target, anchors, contexts[:rows], max_tokens,
+                                [K] * rows, [SamplingParams()] * rows)
+        mx.eval([p.drafts for p in proposals])
+
+    times = best_times([lambda r=r: draft_pass(r) for r in BATCH_ROWS], reps)
+    return {r: t / times[0] for r, t in zip(BATCH_ROWS, times)}
+
+
 def cached_batch_costs(target: Target, drafter: Drafter, max_tokens: int) -> BatchCosts:
     """A batch's pass costs for this model pair and machine, measured on first use."""
     single = cached_costs(target, drafter, max_tokens)
@@ -353,13 +393,16 @@ def cached_batch_costs(target: Target, drafter: Drafter, max_tokens: int) -> Bat
     try:
         data = json.loads(path.read_text())
         return BatchCosts(single, {int(k): v for k, v in data["ratio"].items()},
-                          tuple(data["sizes"]), tuple(data["rows"]))
+                          tuple(data["sizes"]), tuple(data["rows"]),
+                          {int(k): v for k, v in data["draft_ratio"].items()})
     except (OSError, ValueError, KeyError):
         pass
-    costs = BatchCosts(single, measure_batch_ratios(target, max_tokens), _sizes(max_tokens))
+    costs = BatchCosts(single, measure_batch_ratios(target, max_tokens), _sizes(max_tokens),
+                       draft_ratio=measure_draft_ratios(target, drafter, max_tokens))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"ratio": costs.ratio, "sizes": costs.sizes, "rows": costs.rows}))
+    tmp.write_text(json.dumps({"ratio": costs.ratio, "sizes": costs.sizes, "rows": costs.rows,
+                               "draft_ratio": costs.draft_ratio}))
     os.replace(tmp, path)
     return costs
 
@@ -368,11 +411,12 @@ def plan_batch(schedulers: Sequence[Scheduler], rooms: Sequence[int],
                looked_up: Sequence[int], context: int, costs: BatchCosts) -> list[int]:
     """Tokens to verify after each request's anchor in one batched pass, from one budget: the
     pass width and the drafting requests that maximise the batch's expected committed tokens
-    per second, ``(rows + expected accepted tokens) / (T_verify(rows, width) + drafter
-    passes)``. Every request's candidates are its first tokens, most likely to survive (the
-    drafter's by its calibrated confidence or acceptance rates; a looked-up block of
-    ``looked_up[i]`` tokens by the lookups' own rates, with no drafter pass to pay). With one
-    request and no lookup this is what :meth:`Scheduler.choose` chooses."""
+    per second, ``(rows + expected accepted tokens) / (T_verify(rows, width) + T_draft(m))``
+    with ``m`` requests drafting in one drafter pass. Every request's candidates are its
+    first tokens, most likely to survive (the drafter's by its calibrated confidence or
+    acceptance rates; a looked-up block of ``looked_up[i]`` tokens by the lookups' own rates,
+    with no drafter pass to pay). With one request and no lookup this is what
+    :meth:`Scheduler.choose` chooses."""
     rows = len(rooms)
     limits = [min(n, s.max_drafts, room) if n else s.limit(room)
               for s, room, n in zip(schedulers, rooms, looked_up)]
@@ -388,7 +432,7 @@ def plan_batch(schedulers: Sequence[Scheduler], rooms: Sequence[int],
         for m in range(len(ranked) + 1):  # the m likeliest drafting requests draft
             if m:
                 gain += ranked[m - 1][0]
-            rate = (rows + gain) / (verify + m * costs.single.draft_s)
+            rate = (rows + gain) / (verify + costs.draft(m))
             if rate > best_rate:
                 drafting = {i for _, i in ranked[:m]}
                 best_rate, best = rate, [min(width - 1, limits[i])

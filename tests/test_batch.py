@@ -284,7 +284,10 @@ def test_batched_pass_costs_are_measured_and_cached():
     assert all(v > 0 for r in BATCH_ROWS for v in costs.ratio[r])
     assert costs.verify(1, 3, 200) == costs.single.verify(3, 200)
     assert costs.verify(16, 3, 200) > costs.verify(8, 3, 200) > 0
-    assert cached_batch_costs(target, drafter, 4).ratio == costs.ratio  # from the cache
+    assert costs.draft_ratio[1] == 1.0 and costs.draft(1) == costs.single.draft_s
+    assert costs.draft(8) > 0 and costs.draft(0) == 0
+    again = cached_batch_costs(target, drafter, 4)  # from the cache
+    assert again.ratio == costs.ratio and again.draft_ratio == costs.draft_ratio
 
 
 def test_the_budget_weighs_looked_up_blocks_by_how_often_they_survive():

@@ -69,6 +69,6 @@ def test_batch_bench_with_staggered_arrivals():
                               make_tokenizer(96, eos_id=96), sets, [3], max_tokens=8,
                               block_size=3, progress=False, stagger=0.2)
     assert results["settings"]["arrivals"] == "0.2 s apart"
-    for name, v in results["domains"]["chat"]["3"].items():
+    for v in results["domains"]["chat"]["3"].values():
         assert v["tokens"] == 24 and v["outputs_differing_from_mlx_lm"] == 0
         assert v["seconds"] >= 0.4  # the last request arrives 0.4 s in
