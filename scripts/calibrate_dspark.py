@@ -7,7 +7,7 @@ config.json.
 
 ``--ids``: a JSON list of store sequence ids that the drafter never saw in training. Half of
 them fit the temperatures, the other half measure the ECE of the running product before and
-after, per position.
+after, per position; the result file names both halves' ids.
 """
 
 import argparse
@@ -46,6 +46,9 @@ def main() -> None:
     batch_of = Batches(store, drafter, TrainConfig(args.store, ""), mx.array(1.0))
     result = calibrate(drafter, target, batch_of, idx, anchors=args.anchors)
     result["sequences"] = len(idx)
+    ids = store.id_list()  # which sequences fitted, which measured (calibrate's halves)
+    result["fit_ids"] = [ids[i] for i in idx[::2]]
+    result["test_ids"] = [ids[i] for i in idx[1::2]]
     print("ECE by position before / after: " + ", ".join(
         f"{b:.3f}/{a:.3f}" for b, a in zip(result["ece_before"], result["ece_after"])))
     print("ECE with temperatures alone: " + ", ".join(
