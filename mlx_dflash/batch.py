@@ -3,7 +3,8 @@
 Each request keeps what a single generation has (``cycle.Speculator``: the drafter's cache and
 unread features; ``policy.BlockPolicy``: copy, n-gram and scheduler choices; ``decode.TextStream``:
 stops, ``max_tokens``, detokenizing), except the target cache: all requests' target caches are
-rows of one :class:`~mlx_dflash.batch_cache.RaggedKVCache` per layer. A step:
+rows of one batch cache per layer (``batch_cache.make_batch_cache``: ragged KV rows for full
+attention and sliding windows, stacked states for recurrent layers). A step:
 
 1. admits waiting requests up to ``max_batch`` and memory: each is prefilled alone (whole when
    nothing runs, else ``prefill_chunk`` tokens a step, so that the others keep decoding), then
@@ -17,7 +18,8 @@ rows of one :class:`~mlx_dflash.batch_cache.RaggedKVCache` per layer. A step:
 
 Requests join and leave between steps without stalling the others. Greedy output equals each
 request's own greedy decode; sampled output follows the target's distribution per request.
-Targets with sliding-window or recurrent layers are not batched yet (``BatchNotSupported``).
+Sliding-window and Gated DeltaNet layers roll each row back as a single generation does (the
+window's mask per row; recurrent states restored from the recorded pass, per row).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .accept import RandomStream, SamplingParams, sample_first
-from .batch_cache import RaggedKVCache
+from .batch_cache import BatchNotSupported, make_batch_cache  # noqa: F401 (re-exported)
 from .cycle import (
     DEFAULT_PREFILL_STEP, DRAFTER, PLAIN, Cycle, Speculator, accepted_cycle, prefill,
 )
@@ -43,11 +45,7 @@ from .policy import COPY_DRAFTS, COPY_NGRAM, BlockPolicy
 from .prefix_cache import PrefixCache
 from .prompts import encode_prompt
 from .schedule import cached_batch_costs, kv_bytes_per_position, memory_headroom, plan_batch
-from .target import FULL, TargetCache, as_target, filled_kv
-
-
-class BatchNotSupported(ValueError):
-    """The target has layers a ragged batch cache cannot hold (sliding window, recurrent)."""
+from .target import TargetCache, as_target
 
 
 @dataclass
@@ -96,11 +94,8 @@ class BatchEngine:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.target = as_target(model)
-        unsupported = sorted(set(self.target.layer_kinds) - {FULL})
-        if unsupported:
-            raise BatchNotSupported(f"model type '{self.target.model_type}' has "
-                                    f"{', '.join(unsupported)} layers; batching holds full-"
-                                    "attention layers only for now")
+        # One batch cache per layer, of its kind; BatchNotSupported for a kind it cannot hold.
+        self.cache = make_batch_cache(self.target)
         if drafter is not None:
             check_fits(drafter, self.target)
         self.width = verify_width(drafter, block_size, schedule)
@@ -122,7 +117,6 @@ class BatchEngine:
         self.store = prefix_cache  # requests continue from it and leave their caches in it
         self.position_bytes = kv_bytes_per_position(self.target)
         self.layer_ids = self.drafter.target_layer_ids if self.drafter is not None else ()
-        self.cache = [RaggedKVCache() for _ in range(self.target.num_layers)]
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []  # in the batch cache's row order
         self.joining: _Request | None = None  # admitted, its prompt being prefilled
@@ -237,8 +231,7 @@ class BatchEngine:
         r.anchor = sample_first(logits, r.params)
         r.text.tic = time.perf_counter()
         r.stats.prompt_tps = r.stats.prefilled_tokens / max(r.prefill_s, 1e-9)
-        for layer, c in zip(self.cache, r.spec.cache):
-            layer.add_row(*filled_kv(c))
+        self.cache.add_row(r.spec.cache)
         r.spec.cache = None  # its rows in the batch cache stand in for it from now on
         if r.spec.pair is not None:
             r.spec.pair.target = None  # (given back as the rows when the request leaves)
@@ -272,9 +265,8 @@ class BatchEngine:
             r.stats.record(cycle, accepted)
             kept.append(accepted + 1)
             self._commit(r, tokens, accepted, responses)
-        for layer in self.cache:
-            layer.commit(kept)
-            layer.compact()  # when the rejected tails' holes take up a quarter of the slots
+        self.cache.commit(kept)  # recurrent rows: restored from the pass's record
+        self.cache.compact()  # when the rejected tails' holes take up a quarter of the slots
 
     def _draft(self, plans: list[tuple[int, list[int], str]]) -> list[Proposal]:
         """Each running request's block: the drafter's for all that draft in one pass (its
@@ -302,7 +294,7 @@ class BatchEngine:
         looked = [r.policy.lookup(r.room, r.context) for r in self.running]
         counts = plan_batch([r.policy.scheduler for r in self.running],
                             [r.room for r in self.running], [len(b) for b, _ in looked],
-                            self.cache[0].slots, self.costs)
+                            self.cache.slots, self.costs)
         return [(K, block[:K], source) if block and K else (K, [], DRAFTER if K else PLAIN)
                 for K, (block, source) in zip(counts, looked)]
 

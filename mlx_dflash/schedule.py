@@ -333,25 +333,22 @@ class BatchCosts:
 
 def measure_batch_ratios(target: Target, max_tokens: int, reps: int = 3) -> dict[int, list[float]]:
     """T(rows, width) / T(1, width) at ``BATCH_CONTEXT`` for ``BATCH_ROWS`` and ``_sizes``."""
-    from .batch_cache import RaggedKVCache
-    from .target import filled_kv
+    from .batch_cache import make_batch_cache
 
     single = target.make_cache()
     target.hidden_states(mx.zeros((1, BATCH_CONTEXT), dtype=mx.uint32), single, ())
     rows_caches = {}
     for rows in BATCH_ROWS:
-        cache = [RaggedKVCache() for _ in single]
-        for layer, c in zip(cache, single):
-            for _ in range(rows):
-                layer.add_row(*filled_kv(c))
-        mx.eval([layer.state for layer in cache])
+        cache = make_batch_cache(target)
+        for _ in range(rows):
+            cache.add_row(single)
+        mx.eval(cache.state)
         rows_caches[rows] = cache
 
     def batched_pass(rows: int, n: int) -> None:
         cache = rows_caches[rows]
         mx.eval(target.forward(mx.ones((rows, n), dtype=mx.uint32), cache)[0])
-        for layer in cache:
-            layer.discard()
+        cache.discard()
 
     sizes = _sizes(max_tokens)
     fns = [lambda r=r, n=n: batched_pass(r, n) for r in BATCH_ROWS for n in sizes]

@@ -147,6 +147,26 @@ class _RecurrentRecord:
         if kept:
             _replay_recurrent(self.layer, self.inputs[:, :kept], self.cache)
 
+    def restore_rows(self, kept: Sequence[int]) -> None:
+        """A batch cache's version of ``restore``: row ``i`` of the cache is set to its state
+        after its own first ``kept[i]`` positions of the pass."""
+        if self.states is not None:
+            steps = [self.before] + self.states  # steps[t]: the arrays after t positions
+            pick, rows = mx.array(list(kept)), mx.arange(len(kept))
+            self.cache.cache = [mx.stack([s[j] for s in steps])[pick, rows]
+                                for j in range(len(self.before))]
+            return
+        longest = max(kept)
+        if min(kept) == longest == self.inputs.shape[1]:
+            return  # every row kept the whole pass: the state after it stands
+        self.cache.cache = list(self.before)
+        if longest:
+            # mlx-lm's right-padding lengths: each row's conv window and state stop advancing
+            # after its own length (the masked positions leave them as they were).
+            self.cache.lengths = mx.array(list(kept))
+            _replay_recurrent(self.layer, self.inputs[:, :longest], self.cache)
+            self.cache.lengths = None
+
     @property
     def nbytes(self) -> int:
         """Bytes this record keeps alive beyond the cache itself (the last per-position state
@@ -205,6 +225,38 @@ def can_cut_back(layers: Sequence[Any]) -> bool:
 def filled_kv(c: KVCache) -> tuple[mx.array, mx.array]:
     """A plain KV cache's keys and values [1, heads, positions, head_dim], the filled part."""
     return c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+
+
+def window_kv(c: RotatingKVCache, n: int) -> tuple[mx.array, mx.array, int]:
+    """The last ``n`` positions (or all it holds, if fewer) a sliding-window cache holds, in
+    order: keys and values [1, heads, m, head_dim] and the position of the first one."""
+    if c.keys is None:
+        raise ValueError("the sliding-window cache is empty")
+    if c.keep:
+        raise ValueError("sliding-window caches that keep their first positions are not held")
+    keys, values = c._temporal_order(c.keys), c._temporal_order(c.values)
+    # A buffer cut back after a pass may lead with one free slot (see _trim_rotating): only
+    # ever take the newest positions, never more than the cache has seen.
+    m = min(n, c.offset, keys.shape[2])
+    return keys[..., -m:, :], values[..., -m:, :], c.offset - m
+
+
+def rotating_from_window(keys: mx.array, values: mx.array, offset: int, max_size: int
+                         ) -> RotatingKVCache:
+    """A sliding-window cache holding ``keys`` / ``values`` (the newest positions before
+    ``offset``, in order, at least ``max_size - 1`` of them once ``offset`` reaches that), in
+    the layout a cut-back pass leaves (``_trim_rotating``), so that mlx-lm's updates of any
+    length continue from it."""
+    keys, values = keys[..., -(max_size - 1):, :], values[..., -(max_size - 1):, :]
+    if offset >= max_size:  # a wrapped window: one free slot first, where the next write goes
+        def free_slot_first(a: mx.array) -> mx.array:
+            free = mx.zeros((*a.shape[:2], 1, a.shape[3]), dtype=a.dtype)
+            return mx.concatenate([free, a], axis=2)
+
+        keys, values = free_slot_first(keys), free_slot_first(values)
+    cache = RotatingKVCache(max_size=max_size)
+    cache.state = (keys, values, offset, 0, max_size, keys.shape[2])
+    return cache
 
 
 def positions_held(c: Any) -> int | None:
