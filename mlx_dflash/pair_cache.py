@@ -77,7 +77,10 @@ class PairCache:
 
     def trim_to(self, n: int) -> bool:
         """Cut both caches back to their first ``n`` positions if that is exact (else False)."""
-        if not self.trimmable() or any(positions_held(c) < n for c in self.layers):
+        held = [positions_held(c) for c in self.layers]
+        if all(h == n for h in held):
+            return True  # nothing to cut: exact whatever the caches' kinds
+        if not self.trimmable() or any(h is None or h < n for h in held):
             return False
         cut_back(self.layers, n)
         if self.tokens is not None:

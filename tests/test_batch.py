@@ -11,12 +11,12 @@ from test_dspark import make_dspark
 from test_lossless_greedy import assert_same_or_near_tie, reference
 from test_lossless_sampling import PROMPT, V, assert_follows, exact_joint
 from test_schedule import COSTS
-from tiny import make_drafter, make_family_target, make_target, make_tokenizer
+from tiny import make_drafter, make_target, make_tokenizer
 
 import mlx_dflash.policy as policy
 from mlx_dflash import generate
 from mlx_dflash.accept import SamplingParams, proposal_from_logits
-from mlx_dflash.batch import BatchEngine, BatchNotSupported, batch_generate
+from mlx_dflash.batch import BatchEngine, batch_generate
 from mlx_dflash.drafters.base import Proposal
 
 RNG = np.random.default_rng(3)
@@ -171,12 +171,6 @@ def test_sampled_rows_follow_the_target_inside_a_batch():
         samples += len(ids)
     assert_follows(counts, counts4, joint, marginal4)
     assert accepted > 0
-
-
-def test_targets_with_windows_or_recurrent_layers_are_refused():
-    model = make_family_target("gemma3_text")
-    with pytest.raises(BatchNotSupported, match="sliding_attention"):
-        BatchEngine(model, None, make_tokenizer(128))
 
 
 def test_bad_requests_are_refused():
