@@ -45,7 +45,7 @@ from .policy import COPY_DRAFTS, COPY_NGRAM, BlockPolicy
 from .prefix_cache import PrefixCache
 from .prompts import encode_prompt
 from .schedule import cached_batch_costs, kv_bytes_per_position, memory_headroom, plan_batch
-from .target import TargetCache, as_target
+from .target import as_target
 
 
 @dataclass
@@ -126,10 +126,6 @@ class BatchEngine:
     def idle(self) -> bool:
         return not self.waiting and not self.running and self.joining is None
 
-    @property
-    def requests(self) -> int:
-        return len(self.waiting) + len(self.running) + (self.joining is not None)
-
     def submit(self, prompt: str | Sequence[int] | mx.array, *, max_tokens: int = 256,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: int | None = None, checkpoints: Sequence[int] = ()) -> int:
@@ -200,7 +196,7 @@ class BatchEngine:
             return True
         longest = max(len(x.tokens) + x.max_tokens for x in (*self.running, r))
         need = 2 * self.position_bytes * (longest + self.width) * (len(self.running) + 1)
-        held = sum(layer.nbytes for layer in self.cache)
+        held = self.cache.nbytes
         return memory_headroom() + held - self.reserve_bytes >= need
 
     def _start(self, r: _Request) -> None:
@@ -316,18 +312,13 @@ class BatchEngine:
             if r.cancelled and r.spec.pair is not None:
                 self._store(i, r)
         self.running = [self.running[i] for i in keep]
-        for layer in self.cache:
-            layer.keep_rows(keep)
-
+        self.cache.keep_rows(keep)
 
     def _store(self, row: int, r: _Request) -> None:
         """Leave a request's caches in the prefix store: its row of the batch cache, cut to
         what it committed (as a single generation closed mid-stream does)."""
-        layers = [layer.row_cache(row) for layer in self.cache]
-        if any(c is None for c in layers):
-            return  # a layer kind whose row cannot stand alone: the prompt's checkpoints remain
-        r.spec.pair.target = TargetCache(layers)
-        r.spec.abandon()
+        r.spec.pair.target = self.cache.row_cache(row)
+        r.spec.abandon()  # (caches whose positions cannot be named stay unstored)
         if r.spec.pair.tokens:
             self.store.insert(r.spec.pair)
 

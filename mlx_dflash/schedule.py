@@ -316,19 +316,19 @@ class BatchCosts:
             return 0.0
         if self.draft_ratio is None:
             return rows * self.single.draft_s
-        ratios = [self.draft_ratio[r] for r in self.rows]
-        scale = float(np.interp(rows, self.rows, ratios))
-        if rows > self.rows[-1]:  # beyond what was measured: linear in the rows
-            scale = ratios[-1] * rows / self.rows[-1]
-        return self.single.draft_s * scale
+        return self.single.draft_s * self._scale(rows, [self.draft_ratio[r] for r in self.rows])
 
     def verify(self, rows: int, width: int, context: int) -> float:
         """Seconds of a target pass over ``rows`` rows of ``width`` tokens at ``context``."""
         by_rows = [float(np.interp(width, self.sizes, self.ratio[r])) for r in self.rows]
-        scale = float(np.interp(rows, self.rows, by_rows))
-        if rows > self.rows[-1]:  # beyond what was measured: linear in the rows
-            scale = by_rows[-1] * rows / self.rows[-1]
-        return self.single.verify(width, context) * scale
+        return self.single.verify(width, context) * self._scale(rows, by_rows)
+
+    def _scale(self, rows: int, by_rows: list[float]) -> float:
+        """A ratio measured at ``self.rows``, at ``rows``: interpolated, and beyond what was
+        measured linear in the rows."""
+        if rows > self.rows[-1]:
+            return by_rows[-1] * rows / self.rows[-1]
+        return float(np.interp(rows, self.rows, by_rows))
 
 
 def measure_batch_ratios(target: Target, max_tokens: int, reps: int = 3) -> dict[int, list[float]]:
