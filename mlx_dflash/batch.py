@@ -63,6 +63,9 @@ class _Request:
     prefilled: int = 0  # prompt tokens in its caches so far (a joining request's prefill)
     prefill_s: float = 0.0
     cancelled: bool = False
+    # Alone, the cycle after a plain one plans without lookups, as a single generation's
+    # pipelined plain cycles do: so that a seeded request draws what ``generate`` draws.
+    look_up: bool = True
 
     @property
     def room(self) -> int:
@@ -286,7 +289,14 @@ class BatchEngine:
         a single generation does; together, one verify budget is shared: lookups and drafts
         are weighed by their survival estimates against the batched pass's cost."""
         if self.costs is None or len(self.running) == 1:
-            return [r.policy.choose(r.room, r.context) for r in self.running]
+            plans = []
+            for r in self.running:
+                plans.append(r.policy.choose(r.room, r.context, may_look_up=r.look_up))
+                r.look_up = bool(plans[-1][0] or r.room <= 0
+                                 or r.policy.finds_lookup(r.context))
+            return plans
+        for r in self.running:
+            r.look_up = True
         looked = [r.policy.lookup(r.room, r.context) for r in self.running]
         counts = plan_batch([r.policy.scheduler for r in self.running],
                             [r.room for r in self.running], [len(b) for b, _ in looked],

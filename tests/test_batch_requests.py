@@ -68,6 +68,24 @@ def test_a_seeded_request_draws_from_its_own_stream():
     assert sample(3) == alone
 
 
+def test_a_seeded_request_alone_draws_what_generate_draws():
+    """Alone and scheduled, a seeded request plans its cycles as ``generate`` does (no lookup
+    right after a plain cycle, as generate's pipelined plain cycles have it), so it samples
+    exactly what ``generate`` samples after ``mx.random.seed`` with that seed."""
+    model = make_target("qwen3", vocab_size=64)
+    drafter = make_drafter(model, block_size=4)
+    tok = make_tokenizer(64)
+    prompt = "w5 w6 w7 w5 w6"  # repeats: copy drafts come and go
+    for seed in range(6):
+        engine = BatchEngine(model, drafter, tok)
+        rid = engine.submit(prompt, max_tokens=24, temperature=1.0, seed=seed)
+        text = ""
+        while not engine.idle:
+            text += "".join(r.text for i, r in engine.step() if i == rid)
+        mx.random.seed(seed)
+        assert text == generate(model, drafter, tok, prompt, max_tokens=24, temperature=1.0)
+
+
 def test_a_long_prompt_joins_over_several_steps_while_the_others_decode():
     from test_batch import check_against_solo
 
