@@ -325,10 +325,10 @@ class BatchEngine:
         self.cache.keep_rows(keep)
 
     def _store(self, row: int, r: _Request) -> None:
-        """Leave a request's caches in the prefix store: its row of the batch cache, cut to
-        what it committed (as a single generation closed mid-stream does)."""
+        """Leave a request's caches in the prefix store: its row of the batch cache holds
+        what it committed (recurrent rows too: each pass's rows are restored to what was kept)."""
         r.spec.pair.target = self.cache.row_cache(row)
-        r.spec.abandon()  # (caches whose positions cannot be named stay unstored)
+        r.spec.release()
         if r.spec.pair.tokens:
             self.store.insert(r.spec.pair)
 

@@ -194,6 +194,13 @@ class Speculator:
         if self.pair.trim_to(len(held)):
             self.pair.hold(held)
 
+    def release(self) -> None:
+        """Between cycles (none started ahead, every rejected draft rolled back) the caches
+        hold exactly the committed tokens less the anchor, whatever their kinds: name them."""
+        if self.pair is not None:
+            self.catch_up()
+            self.pair.hold(self.held[:-1])
+
     def catch_up(self) -> None:
         """Give the drafter the committed features it has not read yet."""
         if self.backlog:

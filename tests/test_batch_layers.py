@@ -161,3 +161,28 @@ def test_the_shared_budget_measures_and_plans_these_targets(family):
     outputs, reasons, _ = run_engine(model, make_drafter(model, block_size=6), PROMPTS,
                                      MAX_TOKENS, max_batch=4)
     check_against_solo(model, PROMPTS, outputs, reasons, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_finished_rows_leave_their_caches_in_the_prefix_store(family):
+    """A finished request's row goes to the prefix store holding what it committed (a Gated
+    DeltaNet row too: its state is exact between passes); the next turn continues from it and
+    equals a fresh run."""
+    from mlx_dflash import generate
+    from mlx_dflash.batch import batch_generate
+    from mlx_dflash.prefix_cache import PrefixCache
+
+    model = family_model(family)
+    drafter, tok = make_drafter(model, block_size=6), make_tokenizer(128)
+    store = PrefixCache(1 << 30)
+    prompts = PROMPTS[1:3]
+    first = batch_generate(model, drafter, tok, prompts, max_tokens=10, block_size=6,
+                           prefix_cache=store)
+    turns = [p + r.tokens + [7, 8, 9] for p, r in zip(prompts, first)]
+    for p, r, turn in zip(prompts, first, turns):
+        # All but the last token (the anchor); before, only the prompt's checkpoint was there.
+        assert store.fetch(turn, take=False)[1] == len(p) + len(r.tokens) - 1
+    second = batch_generate(model, drafter, tok, turns, max_tokens=10, block_size=6,
+                            prefix_cache=store)
+    for turn, r in zip(turns, second):
+        assert r.text == generate(model, drafter, tok, turn, max_tokens=10, block_size=6)
