@@ -48,26 +48,35 @@ inline Chunk chunk_of(uint n, Layout tg) {
 // Each reduction ends with a barrier: its partials are rewritten by the next one, and a
 // simdgroup may not run ahead while another still reads them.
 
+// The maximum is taken by every thread from the same partials in the same order (as the
+// sum below), so every thread holds the same float.
 inline float threadgroup_max(float v, Layout tg, threadgroup float* partials) {
   v = metal::simd_max(v);
   if (tg.lane == 0) {
     partials[tg.simd_group] = v;
   }
   metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
-  v = metal::simd_max(tg.lane < tg.n_groups ? partials[tg.lane] : -INFINITY);
+  float top = -INFINITY;
+  for (uint g = 0; g < tg.n_groups; g++) {
+    top = metal::max(top, partials[g]);
+  }
   metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
-  return v;
+  return top;
 }
 
+// A simd_sum of the partials per simdgroup need not give every simdgroup the same float.
 inline float threadgroup_sum(float v, Layout tg, threadgroup float* partials) {
   v = metal::simd_sum(v);
   if (tg.lane == 0) {
     partials[tg.simd_group] = v;
   }
   metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
-  v = metal::simd_sum(tg.lane < tg.n_groups ? partials[tg.lane] : 0.0f);
+  float total = 0.0f;
+  for (uint g = 0; g < tg.n_groups; g++) {
+    total += partials[g];
+  }
   metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
-  return v;
+  return total;
 }
 
 inline uint threadgroup_min(uint v, Layout tg, threadgroup uint* partials) {
@@ -92,23 +101,48 @@ inline uint threadgroup_max(uint v, Layout tg, threadgroup uint* partials) {
   return v;
 }
 
-// The id of the largest value, lowest id among equals (as mx.argmax). Each thread brings its
-// own best (value, id), kNoIndex when it saw nothing.
-inline uint threadgroup_argmax(float best, uint best_id, Layout tg, threadgroup float* values,
+// A uint whose order is the float order, with -0 and +0 one value (as float comparisons are)
+// and NaN above everything (as mx.argmax has it); 0 is below every float: "nothing seen".
+inline uint order_key(float v) {
+  uint bits = as_type<uint>(v);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {  // NaN, by its bits: fast math may drop isnan
+    return 0xFFFFFFFFu;
+  }
+  bits = as_type<uint>(v == 0.0f ? 0.0f : v);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// The id of the largest key, lowest id among equals (as mx.argmax). Each thread brings its own
+// best (key, id), (0, kNoIndex) when it saw nothing. Integer keys: every simdgroup reduces the
+// partials to the same id, so the threads that branch on it agree (a float max need not, and
+// NaN has no order).
+inline uint threadgroup_argmax(uint best_key, uint best_id, Layout tg, threadgroup uint* keys,
                                threadgroup uint* ids) {
-  float top = metal::simd_max(best);
-  uint id = metal::simd_min(best == top ? best_id : kNoIndex);
+  uint top = metal::simd_max(best_key);
+  uint id = metal::simd_min(best_key == top ? best_id : kNoIndex);
   if (tg.lane == 0) {
-    values[tg.simd_group] = top;
+    keys[tg.simd_group] = top;
     ids[tg.simd_group] = id;
   }
   metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
-  float v = tg.lane < tg.n_groups ? values[tg.lane] : -INFINITY;
+  uint k = tg.lane < tg.n_groups ? keys[tg.lane] : 0u;
   uint i = tg.lane < tg.n_groups ? ids[tg.lane] : kNoIndex;
-  top = metal::simd_max(v);
-  id = metal::simd_min(v == top ? i : kNoIndex);
+  top = metal::simd_max(k);
+  id = metal::simd_min(k == top ? i : kNoIndex);
   metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
   return id;
+}
+
+// A decision thread 0 makes, shared with the whole threadgroup: the threads branch on it, and
+// a barrier that only some threads reach hangs the GPU.
+inline bool threadgroup_decide(bool decision, Layout tg, threadgroup uint* shared) {
+  if (tg.tid == 0) {
+    *shared = decision ? 1u : 0u;
+  }
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  bool d = *shared != 0u;
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  return d;
 }
 
 // An exclusive prefix sum over the threads in thread order, and the total.

@@ -8,12 +8,6 @@
 #ifndef DFLASH_VERIFY_H
 #define DFLASH_VERIFY_H
 
-// A uint whose order is the float order, with -0 and +0 one value (as float comparisons are).
-inline uint order_key(float v) {
-  uint bits = as_type<uint>(v == 0.0f ? 0.0f : v);
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-}
-
 // Top-k keeps the tokens above the k-th largest value and, of the tokens equal to it, the
 // lowest ids up to k in all (top_k_mask in kernels.py).
 struct Filter {
@@ -41,7 +35,6 @@ struct KthKey {
 template <typename Ptr>
 inline KthKey kth_largest_key(Ptr x, uint vocab, uint k, Layout tg,
                               threadgroup metal::atomic_uint* histogram) {
-  Chunk c = chunk_of(vocab, tg);
   uint prefix = 0;
   uint remaining = k;
   for (int shift = 28; shift >= 0; shift -= 4) {
@@ -51,7 +44,7 @@ inline KthKey kth_largest_key(Ptr x, uint vocab, uint k, Layout tg,
     metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
     uint high = shift == 28 ? 0u : 0xFFFFFFFFu << (shift + 4);
     uint counts[16] = {0};
-    for (uint i = c.lo; i < c.hi; i++) {
+    for (uint i = tg.tid; i < vocab; i += tg.n_threads) {  // strided: coalesced reads
       uint key = order_key(float(x[i]));
       if ((key & high) == prefix) {
         counts[(key >> shift) & 15u]++;
@@ -120,9 +113,9 @@ struct Softmax {
 template <typename Ptr>
 inline Softmax softmax_stats(Ptr x, uint vocab, float scale, Filter f, Layout tg,
                              threadgroup float* partials) {
-  Chunk c = chunk_of(vocab, tg);
+  // Strided (coalesced) reads: neither pass depends on the order of the tokens.
   float m = -INFINITY;
-  for (uint i = c.lo; i < c.hi; i++) {
+  for (uint i = tg.tid; i < vocab; i += tg.n_threads) {
     float v = float(x[i]);
     if (kept(v, i, f)) {
       m = metal::max(m, v * scale);
@@ -130,7 +123,7 @@ inline Softmax softmax_stats(Ptr x, uint vocab, float scale, Filter f, Layout tg
   }
   m = threadgroup_max(m, tg, partials);
   float s = 0.0f;
-  for (uint i = c.lo; i < c.hi; i++) {
+  for (uint i = tg.tid; i < vocab; i += tg.n_threads) {
     float v = float(x[i]);
     if (kept(v, i, f)) {
       s += metal::exp(v * scale - m);
@@ -190,7 +183,11 @@ inline uint sample_residual(Ptr x, uint vocab, Softmax sm, Filter f, thread cons
   }
   hit = threadgroup_min(hit, tg, u_partials);
   last_positive = threadgroup_max(last_positive, tg, u_partials);
-  return hit != kNoIndex ? hit : last_positive - 1;
+  if (hit != kNoIndex) {
+    return hit;
+  }
+  // No positive weight at all (NaN logits): the last token, as sample_index gives.
+  return last_positive > 0 ? last_positive - 1 : vocab - 1;
 }
 
 // A dense proposal row q [V] (draft_probs), or none (the bonus position).

@@ -5,6 +5,7 @@ DFLASH_THREADGROUP float f_partials[kMaxSimdgroups];
 DFLASH_THREADGROUP uint u_partials[kMaxSimdgroups];
 DFLASH_THREADGROUP metal::atomic_uint histogram[16];
 DFLASH_THREADGROUP uint shared_id;
+DFLASH_THREADGROUP uint decision;
 
 const Layout tg = make_layout(thread_index_in_threadgroup, threads_per_threadgroup.x,
                               thread_index_in_simdgroup, simdgroup_index_in_threadgroup);
@@ -25,7 +26,9 @@ for (uint pos = 0; pos < positions; pos++) {
   if (has_draft) {
     uint d = uint(drafts[row * drafted + pos]);
     float q = candidate_prob<K>(cand_ids + q_offset, cand_probs + q_offset, d);
-    if (uniforms[row * positions + pos] * q < target_prob(float(x[d]), d, sm, f)) {
+    // Every thread branches on it: thread 0 decides for all (threadgroup_decide).
+    const bool accept = uniforms[row * positions + pos] * q < target_prob(float(x[d]), d, sm, f);
+    if (threadgroup_decide(accept, tg, &decision)) {
       n_accepted++;
       continue;
     }

@@ -6,9 +6,13 @@ package). Every kernel has a pure-MLX path computing the same function, which ru
 is no Metal, and against which the kernels are tested (tests/test_kernel_harness.py compiles
 the kernel sources as C++ on any machine).
 
-The choice is made once per process (:func:`backend`): the kernels where
-``mx.metal.is_available()``, the MLX path otherwise; ``MLX_DFLASH_KERNELS=metal`` or ``=mlx``
-forces one. Nothing here syncs with the host.
+The choice is made once per process (:func:`backend`): the kernels where Metal is available
+and the GPU is the default device, the MLX path otherwise; ``MLX_DFLASH_KERNELS=metal`` or
+``=mlx`` forces one. Each kernel variant (:class:`Variant`: what MLX compiles apart) is checked
+against its MLX twin at first use, eagerly, on small inputs at the largest threadgroup the
+decode loop launches; if one fails to compile, to run or to agree, the rest of the process runs
+the MLX path, after one warning (with ``=metal``, an error instead). Past that first check
+nothing here syncs with the host.
 
 Randomness comes in as uniforms in [0, 1), so both paths are deterministic functions of their
 inputs; the callers draw them with ``mx.random.uniform``.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,18 +74,94 @@ SPECS = (VERIFY_GREEDY, VERIFY_SAMPLE_DENSE, VERIFY_SAMPLE_CANDIDATES, PATH_SELE
 # path_select holds one candidate per lane of a simdgroup.
 MAX_PATH_CANDIDATES = 32
 
+STEPS = ("verify_greedy", "verify_sample", "verify_sample_candidates", "path_select")
 
-@functools.cache
+
+@dataclass(frozen=True)
+class Variant:
+    """One kernel as MLX compiles it apart: by its inputs' dtypes, their address spaces
+    (constant for dummies and small inputs) and its template. Named by what decides those:
+    the step, the logits' dtype, whether there are drafts (path_select: more than one step),
+    the candidates K and, for path_select, whether it samples."""
+
+    step: str
+    dtype: str = "float32"
+    drafted: bool = True
+    candidates: int = 0
+    sampled: bool = False
+
+    def __str__(self) -> str:
+        parts = [self.step, self.dtype, "drafts" if self.drafted else "no drafts"]
+        if self.candidates:
+            parts.append(f"K={self.candidates}")
+        if self.step == "path_select":
+            parts.append("sampled" if self.sampled else "greedy")
+        return " ".join(parts)
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+_backend: str | None = None  # "metal" | "mlx", once decided
+_forced = False  # MLX_DFLASH_KERNELS=metal: a failing kernel is an error, not a fallback
+_checked: set[Variant] = set()  # variants that ran and agreed with their MLX twins
+
+
 def backend() -> str:
-    """"metal" or "mlx", decided once per process."""
-    choice = os.environ.get(ENV_SWITCH, "").strip().lower()
-    if choice not in ("", "auto", "metal", "mlx"):
-        raise ValueError(f"{ENV_SWITCH} must be metal, mlx or auto, got {choice!r}")
-    if choice == "metal" and not mx.metal.is_available():
-        raise RuntimeError(f"{ENV_SWITCH}=metal, but there is no Metal GPU")
-    if choice in ("metal", "mlx"):
-        return choice
-    return "metal" if mx.metal.is_available() else "mlx"
+    """"metal" or "mlx", decided once per process (a kernel variant failing its first-use
+    check turns "metal" into "mlx" for the rest of it)."""
+    global _backend, _forced
+    if _backend is None:
+        choice = os.environ.get(ENV_SWITCH, "").strip().lower()
+        if choice not in ("", "auto", "metal", "mlx"):
+            raise ValueError(f"{ENV_SWITCH} must be metal, mlx or auto, got {choice!r}")
+        if choice == "metal" and not _metal_gpu():
+            raise RuntimeError(f"{ENV_SWITCH}=metal, but there is no Metal GPU (or it is not "
+                               "MLX's default device)")
+        _forced = choice == "metal"
+        if choice in ("metal", "mlx"):
+            _backend = choice
+        else:
+            _backend = "metal" if _metal_gpu() else "mlx"
+    return _backend
+
+
+def reset_backend() -> None:
+    """Forget the choice and the checked variants (the next call decides anew)."""
+    global _backend, _forced
+    _backend, _forced = None, False
+    _checked.clear()
+
+
+def _use_metal(variant: Variant) -> bool:
+    """Whether this call runs the kernel: the backend is Metal and the variant has passed its
+    first-use check against its MLX twin (run now, eagerly, if it has not)."""
+    global _backend
+    if backend() != "metal":
+        return False
+    if variant not in _checked:
+        from .kernel_check import check  # (it imports this module)
+
+        error = check(variant)
+        if error is not None:
+            message = (f"mlx_dflash: the Metal kernel {variant} failed its first-use check: "
+                       f"{error}")
+            if _forced:
+                raise RuntimeError(f"{message} ({ENV_SWITCH}=metal)")
+            _backend = "mlx"
+            warnings.warn(f"{message}. This process runs the MLX path instead (same outputs, "
+                          "slower); please report it with the JSON of "
+                          "scripts/bench_kernels.py.", RuntimeWarning, stacklevel=3)
+            return False
+        _checked.add(variant)
+    return True
+
+
+def _metal_gpu() -> bool:
+    """Metal is there and MLX runs ops on the GPU by default (not after
+    ``mx.set_default_device(mx.cpu)``, where a kernel launch would fail)."""
+    return mx.metal.is_available() and mx.default_device().type == mx.gpu
 
 
 @functools.cache
@@ -88,6 +169,23 @@ def _kernel(spec: KernelSpec):
     return mx.fast.metal_kernel(
         name=spec.name, input_names=list(spec.input_names),
         output_names=list(spec.output_names), source=spec.source(), header=spec.header())
+
+
+# True: each launch prints the Metal source MLX generates for it (the CI check reads it).
+PRINT_SOURCE = False
+
+
+def _launch(spec: KernelSpec, inputs: list[mx.array], rows: int, threads: int,
+            output_shapes: list, output_dtypes: list, template: list | None = None
+            ) -> list[mx.array]:
+    """One threadgroup of ``threads`` per row. Every array input holds at least
+    MIN_DEVICE_ELEMENTS elements: MLX passes smaller ones in ``constant`` memory, which would
+    make another compiled variant of the kernel."""
+    inputs = [_device_sized(a) for a in inputs]
+    options = {"template": template} if template else {}
+    return _kernel(spec)(inputs=inputs, grid=(rows * threads, 1, 1),
+                         threadgroup=(threads, 1, 1), output_shapes=output_shapes,
+                         output_dtypes=output_dtypes, verbose=PRINT_SOURCE, **options)
 
 
 @functools.lru_cache
@@ -289,35 +387,50 @@ def path_select_mlx(first: mx.array, rest: mx.array, uniforms: mx.array | None =
 # The Metal path: one launch per call.
 
 
-def _dummy() -> mx.array:
-    """Stands in for an empty input (no drafts): the kernel never reads it."""
-    return _scalar(0, mx.uint32)[None]
+# MLX passes an input of fewer elements than this as `constant` (a 0-d one as a reference).
+MIN_DEVICE_ELEMENTS = 8
+
+
+def _dummy(dtype: mx.Dtype) -> mx.array:
+    """Stands in for an empty input (no drafts), in the input's own dtype so that the kernel
+    compiled is the one the full input uses: the kernel never reads it."""
+    return _zeros(MIN_DEVICE_ELEMENTS, dtype)
+
+
+@functools.lru_cache
+def _zeros(n: int, dtype: mx.Dtype) -> mx.array:
+    return mx.zeros((n,), dtype=dtype)
+
+
+def _device_sized(a: mx.array) -> mx.array:
+    """0-d inputs stay (constants by design); others padded flat to MIN_DEVICE_ELEMENTS. The
+    kernels index these inputs by row and position, never by their shapes."""
+    if a.ndim == 0 or a.size >= MIN_DEVICE_ELEMENTS:
+        return a
+    return mx.concatenate([a.reshape(-1), _zeros(MIN_DEVICE_ELEMENTS - a.size, a.dtype)])
 
 
 def verify_greedy_metal(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
     """Metal path of :func:`verify_greedy`."""
     B, _, V = logits.shape
-    threads = row_threads(V)
-    accepted, token = _kernel(VERIFY_GREEDY)(
-        inputs=[logits, drafts.astype(mx.uint32) if drafts.shape[-1] else _dummy()],
-        grid=(B * threads, 1, 1), threadgroup=(threads, 1, 1),
-        output_shapes=[(B,), (B,)], output_dtypes=[mx.uint32, mx.uint32])
+    accepted, token = _launch(
+        VERIFY_GREEDY, [logits, drafts.astype(mx.uint32) if drafts.shape[-1] else
+                        _dummy(mx.uint32)],
+        B, row_threads(V), output_shapes=[(B,), (B,)], output_dtypes=[mx.uint32, mx.uint32])
     return accepted, token
 
 
 def _verify_sample_metal(spec, logits, drafts, proposal, uniforms, temperature, top_k,
                          template):
     B, P, V = logits.shape
-    threads = row_threads(V, SAMPLE_THREADS)
     empty = P == 1
-    inputs = [logits, _dummy() if empty else drafts.astype(mx.uint32)]
-    inputs += [_dummy() if empty else a for a in proposal]
+    inputs = [logits, _dummy(mx.uint32) if empty else drafts.astype(mx.uint32)]
+    inputs += [_dummy(a.dtype) if empty else a for a in proposal]
     inputs += [uniforms.astype(mx.float32), _scalar(1.0 / temperature, mx.float32),
                _scalar(top_k if 0 < top_k < V else 0, mx.int32)]
-    options = {"template": template} if template else {}
-    accepted, token = _kernel(spec)(
-        inputs=inputs, grid=(B * threads, 1, 1), threadgroup=(threads, 1, 1),
-        output_shapes=[(B,), (B,)], output_dtypes=[mx.uint32, mx.uint32], **options)
+    accepted, token = _launch(spec, inputs, B, row_threads(V, SAMPLE_THREADS),
+                              output_shapes=[(B,), (B,)], output_dtypes=[mx.uint32, mx.uint32],
+                              template=template)
     return accepted, token
 
 
@@ -340,17 +453,18 @@ def path_select_metal(first, rest, uniforms=None, temperature=0.0):
     """Metal path of :func:`path_select`."""
     B, K = first.shape
     n = rest.shape[1] + 1
-    rest = rest.astype(mx.float32) if n > 1 else _dummy()
-    common = dict(template=[("K", K)], grid=(B * 32, 1, 1), threadgroup=(32, 1, 1))
+    rest = rest.astype(mx.float32) if n > 1 else _dummy(mx.float32)
+    first = first.astype(mx.float32)
     if temperature == 0:
-        (picks,) = _kernel(PATH_SELECT_GREEDY)(
-            inputs=[first.astype(mx.float32), rest, _scalar(n, mx.int32)],
-            output_shapes=[(B, n)], output_dtypes=[mx.uint32], **common)
+        (picks,) = _launch(PATH_SELECT_GREEDY, [first, rest, _scalar(n, mx.int32)], B, 32,
+                           output_shapes=[(B, n)], output_dtypes=[mx.uint32],
+                           template=[("K", K)])
         return picks, None
-    picks, probs = _kernel(PATH_SELECT_SAMPLE)(
-        inputs=[first.astype(mx.float32), rest, uniforms.astype(mx.float32),
-                _scalar(n, mx.int32), _scalar(1.0 / temperature, mx.float32)],
-        output_shapes=[(B, n), (B, n, K)], output_dtypes=[mx.uint32, mx.float32], **common)
+    picks, probs = _launch(
+        PATH_SELECT_SAMPLE, [first, rest, uniforms.astype(mx.float32), _scalar(n, mx.int32),
+                             _scalar(1.0 / temperature, mx.float32)], B, 32,
+        output_shapes=[(B, n), (B, n, K)], output_dtypes=[mx.uint32, mx.float32],
+        template=[("K", K)])
     return picks, probs
 
 
@@ -363,7 +477,7 @@ def verify_greedy(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.arra
     draft), drafts [B, L] -> (accepted_len [B], next_token [B]), uint32: the drafts accepted
     (the longest prefix equal to the argmax of its position; lowest id among equal maxima, as
     mx.argmax) and the argmax at the first mismatch, or at position L (the bonus)."""
-    if backend() == "metal":
+    if _use_metal(Variant("verify_greedy", dtype_name(logits.dtype), drafts.shape[-1] > 0)):
         return verify_greedy_metal(logits, drafts)
     return verify_greedy_mlx(logits, drafts)
 
@@ -379,7 +493,7 @@ def verify_sample(logits: mx.array, drafts: mx.array, draft_probs: mx.array,
     the token is sampled from max(p_i - q_i, 0) (p_i when that has no mass), after L
     acceptances from p_L, by inverse CDF with uniforms[:, L] (:func:`sample_index`).
     -> (accepted_len [B], next_token [B]), uint32."""
-    if backend() == "metal":
+    if _use_metal(Variant("verify_sample", dtype_name(logits.dtype), drafts.shape[-1] > 0)):
         return verify_sample_metal(logits, drafts, draft_probs, uniforms, temperature, top_k)
     return verify_sample_mlx(logits, drafts, draft_probs, uniforms, temperature, top_k)
 
@@ -390,7 +504,8 @@ def verify_sample_candidates(logits: mx.array, drafts: mx.array, cand_ids: mx.ar
                              top_k: int = 0) -> tuple[mx.array, mx.array]:
     """:func:`verify_sample` for a proposal on K candidates per position: cand_ids [B, L, K]
     (distinct within a position) with probabilities cand_probs [B, L, K], zero elsewhere."""
-    if backend() == "metal":
+    if _use_metal(Variant("verify_sample_candidates", dtype_name(logits.dtype),
+                          drafts.shape[-1] > 0, cand_ids.shape[-1])):
         return verify_sample_candidates_metal(logits, drafts, cand_ids, cand_probs, uniforms,
                                               temperature, top_k)
     return verify_sample_candidates_mlx(logits, drafts, cand_ids, cand_probs, uniforms,
@@ -404,6 +519,8 @@ def path_select(first: mx.array, rest: mx.array, uniforms: mx.array | None = Non
     candidates given each candidate of position t. At temperature 0 each pick is the argmax
     given the previous pick; else it is sampled from softmax(scores / T) by inverse CDF with
     uniforms [B, n]. -> (picks [B, n] uint32, the proposals [B, n, K] or None)."""
-    if backend() == "metal" and first.shape[-1] <= MAX_PATH_CANDIDATES:
+    K = first.shape[-1]
+    if K <= MAX_PATH_CANDIDATES and _use_metal(
+            Variant("path_select", "float32", rest.shape[1] > 0, K, temperature != 0)):
         return path_select_metal(first, rest, uniforms, temperature)
     return path_select_mlx(first, rest, uniforms, temperature)

@@ -103,7 +103,8 @@ def _template_decl(template: list[tuple[str, object]]) -> tuple[str, str]:
 
 
 def translation_unit(spec: KernelSpec, inputs: list[Arg], output_dtypes: list[str],
-                     template: list[tuple[str, object]], source: str, header: str) -> str:
+                     template: list[tuple[str, object]], source: str, header: str,
+                     defines: dict[str, object] | None = None) -> str:
     """The C++ text for one kernel instance; launch args come as void* in signature order."""
     for word in UNSUPPORTED:
         if word in source:
@@ -131,6 +132,7 @@ def translation_unit(spec: KernelSpec, inputs: list[Arg], output_dtypes: list[st
             calls.append(f"ids.{name}")
     decl, inst = _template_decl(template)
     return "\n".join([
+        *(f"#define {name} {value}" for name, value in (defines or {}).items()),
         f'#include "{SHIM}"',
         '#line 1 "header"',
         header,
@@ -191,14 +193,16 @@ class KernelError(RuntimeError):
 def launch(spec: KernelSpec, inputs: list[Arg], output_shapes: list[tuple[int, ...]],
            output_dtypes: list[str], grid: int, threadgroup: int,
            template: list[tuple[str, object]] | None = None, order: str = "forward",
-           seed: int = 0, source: str | None = None,
-           header: str | None = None) -> list[np.ndarray]:
+           seed: int = 0, source: str | None = None, header: str | None = None,
+           defines: dict[str, object] | None = None) -> list[np.ndarray]:
     """Run the kernel like mx.fast.metal_kernel(...)(inputs=..., grid=(grid, 1, 1),
     threadgroup=(threadgroup, 1, 1), ...). source / header replace the spec's text (to test
-    the harness on a broken copy). Outputs start as 0xFF bytes, so unwritten values show."""
+    the harness on a broken copy); defines are macros set before the shim (its modes, e.g.
+    DFLASH_HARNESS_SIMD_SKEW). Outputs start as 0xFF bytes, so unwritten values show."""
     source = spec.source() if source is None else source
     header = spec.header() if header is None else header
-    lib = build(translation_unit(spec, inputs, output_dtypes, template or [], source, header))
+    lib = build(translation_unit(spec, inputs, output_dtypes, template or [], source, header,
+                                 defines))
     keep = []
     for name, arg in zip(spec.input_names, inputs):
         keep.append(arg.array)

@@ -507,6 +507,80 @@ def test_path_select_greedy_ties_take_the_lowest_candidate():
 
 
 # ---------------------------------------------------------------------------------------------
+# NaN logits and scores: a token id always, the one the MLX path gives
+
+
+def test_nan_logits_give_the_mlx_paths_tokens():
+    """All-NaN rows and NaN among numbers: mx.argmax counts NaN above everything (the first
+    NaN wins); the kernel used to return 0xFFFFFFFF for an all-NaN row."""
+    rng = np.random.default_rng(5)
+    V = 300
+    logits = rng.standard_normal((3, 4, V)).astype(np.float32)
+    logits[0] = np.nan
+    logits[1, :, [7, 100]] = np.nan
+    drafts = np.array([[0, 0, 0], [7, 7, 9], [1, 2, 3]], np.uint32)
+    want = [np.array(a) for a in kernels.verify_greedy_mlx(mx.array(logits), mx.array(drafts))]
+    assert want[0].tolist() == [3, 2, 0] and want[1].tolist()[:2] == [0, 7]
+    for order in ORDERS:
+        got = harness_verify_greedy(logits, drafts, 64, order)
+        assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    q = np.full((3, 3, V), 1.0 / V, np.float32)
+    u = np.full((3, 4), 0.5, np.float32)
+    want = mlx_verify_sample(logits, drafts, ("dense", q), u, 1.0, 0)
+    got = harness_verify_sample(logits, drafts, ("dense", q), u, 1.0, 0, 64)
+    assert got[1][0] == V - 1 and got[1][1] == V - 1  # no positive weight: the last token
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_nan_scores_keep_the_walk_in_bounds(temperature):
+    rng = np.random.default_rng(6)
+    K, n = 16, 4
+    first = rng.standard_normal((2, K)).astype(np.float32)
+    rest = rng.standard_normal((2, n - 1, K, K)).astype(np.float32)
+    first[0] = np.nan
+    rest[1, 0] = np.nan
+    u = np.full((2, n), 0.5, np.float32)
+    picks, probs = kernels.path_select_mlx(mx.array(first), mx.array(rest),
+                                           mx.array(u) if temperature else None, temperature)
+    got = harness_path_select(first, rest, u, temperature)
+    assert got[0].tolist() == np.array(picks).tolist()
+    assert (got[0] < K).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Threads agree on every branch even when simdgroups round sums differently
+
+
+def test_every_thread_takes_the_acceptance_branch_thread_0_takes():
+    """With the harness's simd_sum skewed per simdgroup (DFLASH_HARNESS_SIMD_SKEW: simdgroup g
+    sums to (1 + g e) times the sum), uniforms swept across the acceptance threshold of one
+    draft. Each simdgroup used to decide from its own simd_sum of the partials: where they
+    disagreed, some threads went on to the next position while others sampled, and the
+    barriers no longer matched (a GPU hangs). Thread 0 now decides for all."""
+    rng = np.random.default_rng(8)
+    V, rows, threads = 4096, 41, 128
+    logits = np.repeat(rng.standard_normal((1, 2, V)).astype(np.float32), rows, axis=0)
+    d = 11
+    q = np.full((rows, 1, V), 1.0 / V, np.float32)
+    q[:, 0, d] = 0.5
+    p_d = softmax64(logits[0, 0])[d]
+    u = np.zeros((rows, 2), np.float32)
+    u[:, 0] = p_d / 0.5 * (1 + np.linspace(-4e-3, 4e-3, rows))
+    u[:, 1] = 0.5
+    drafts = np.full((rows, 1), d, np.uint32)
+    inputs = [Arg.of(logits), Arg.of(drafts), Arg.of(q), Arg.of(u), Arg.of(np.float32(1.0)),
+              Arg.of(np.int32(0))]
+    for order in ORDERS:
+        accepted, token = launch(VERIFY_SAMPLE_DENSE, inputs, [(rows,), (rows,)],
+                                 ["uint32", "uint32"], grid=rows * threads,
+                                 threadgroup=threads, order=order,
+                                 defines={"DFLASH_HARNESS_SIMD_SKEW": "1e-3"})
+        assert set(accepted.tolist()) == {0, 1}  # the sweep crosses the threshold
+        assert (token < V).all()
+
+
+# ---------------------------------------------------------------------------------------------
 # The harness itself catches races
 
 
@@ -523,7 +597,8 @@ def test_harness_catches_each_missing_barrier_of_the_argmax():
                                                                mx.array(drafts))]
     header = VERIFY_GREEDY.header()
     start = header.index("inline uint threadgroup_argmax")
-    n_barriers = header[start : header.index("struct Scan")].count("threadgroup_barrier(")
+    end = header.index("inline bool threadgroup_decide")
+    n_barriers = header[start:end].count("threadgroup_barrier(")
     assert n_barriers == 2
     first = header[:start].count("threadgroup_barrier(")
     for n in range(first, first + n_barriers):

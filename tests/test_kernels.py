@@ -45,8 +45,8 @@ def test_backend_is_decided_once_per_process(monkeypatch):
 
 
 def test_decode_steps_use_the_kernels_where_metal_is(monkeypatch):
-    """With the backend set to metal, accept.py and walk_path go through the Metal wrappers
-    (stood in for here by the MLX path, since this machine may have no Metal)."""
+    """With the kernels on (each variant checked), accept.py and walk_path go through the Metal
+    wrappers (stood in for here by the MLX path, since this machine may have no Metal)."""
     calls = []
 
     def stand_in(name, mlx_fn):
@@ -55,7 +55,7 @@ def test_decode_steps_use_the_kernels_where_metal_is(monkeypatch):
             return mlx_fn(*args, **kwargs)
         return fn
 
-    monkeypatch.setattr(kernels, "backend", lambda: "metal")
+    monkeypatch.setattr(kernels, "_use_metal", lambda variant: True)
     for name in ("verify_greedy", "verify_sample", "verify_sample_candidates", "path_select"):
         monkeypatch.setattr(kernels, f"{name}_metal",
                             stand_in(name, getattr(kernels, f"{name}_mlx")))

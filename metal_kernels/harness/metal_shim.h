@@ -39,6 +39,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 using uint = unsigned int;
@@ -398,13 +399,22 @@ inline T max(T a, T b) { return a > b ? a : b; }
 template <typename T>
 inline T min(T a, T b) { return a < b ? a : b; }
 
+// With DFLASH_HARNESS_SIMD_SKEW defined (a small number e), simdgroup g's float sums come out
+// scaled by 1 + g * e: a GPU need not round a sum of the same values the same way in every
+// simdgroup, and a kernel whose threads branch on such sums must still agree.
 template <typename T>
 inline T simd_sum(T v) {
-  return harness::collective("simd_sum", v, [](const T* x, int n, int) {
+  T s = harness::collective("simd_sum", v, [](const T* x, int n, int) {
     T s = x[0];
     for (int l = 1; l < n; l++) s += x[l];
     return s;
   });
+#ifdef DFLASH_HARNESS_SIMD_SKEW
+  if constexpr (std::is_floating_point<T>::value) {
+    s *= T(1) + T(DFLASH_HARNESS_SIMD_SKEW) * T(harness::active->current->index / 32);
+  }
+#endif
+  return s;
 }
 
 template <typename T>
