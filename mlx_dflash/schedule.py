@@ -406,20 +406,36 @@ def cached_batch_costs(target: Target, drafter: Drafter, max_tokens: int) -> Bat
 
 def plan_batch(schedulers: Sequence[Scheduler], rooms: Sequence[int],
                looked_up: Sequence[int], context: int, costs: BatchCosts) -> list[int]:
-    """Tokens to verify after each request's anchor in one batched pass, from one budget: the
-    pass width and the drafting requests that maximise the batch's expected committed tokens
-    per second, ``(rows + expected accepted tokens) / (T_verify(rows, width) + T_draft(m))``
-    with ``m`` requests drafting in one drafter pass. Every request's candidates are its
-    first tokens, most likely to survive (the drafter's by its calibrated confidence or
-    acceptance rates; a looked-up block of ``looked_up[i]`` tokens by the lookups' own rates,
-    with no drafter pass to pay). With one request and no lookup this is what
-    :meth:`Scheduler.choose` chooses."""
-    rows = len(rooms)
+    """Tokens to verify after each request's anchor in one batched pass, from one budget
+    (:func:`plan_nodes`). A request's candidates are its drafter's next drafts, by its
+    calibrated confidence or acceptance rates, or a looked-up block of ``looked_up[i]``
+    tokens by the lookups' own rates (no drafter pass to pay). With one request and no lookup
+    this is what :meth:`Scheduler.choose` chooses."""
     limits = [min(n, s.max_drafts, room) if n else s.limit(room)
               for s, room, n in zip(schedulers, rooms, looked_up)]
-    gains = [np.concatenate([[0.0], np.cumsum(
-        (s.lookup_survival() if n else s.survival())[:lim])])
-        for s, lim, n in zip(schedulers, limits, looked_up)]
+    survival = [(s.lookup_survival() if n else s.survival())[:lim]
+                for s, lim, n in zip(schedulers, limits, looked_up)]
+    counts = plan_nodes(survival, [n > 0 for n in looked_up], context, costs)
+    return [s.probe(k, lim) if not n and lim > 0 else k
+            for s, k, lim, n in zip(schedulers, counts, limits, looked_up)]
+
+
+def plan_nodes(survival: Sequence[np.ndarray], looked_up: Sequence[bool], context: int,
+               costs: BatchCosts) -> list[int]:
+    """How many of each request's candidate nodes one batched pass verifies after its anchor:
+    the pass width and the drafting requests that maximise the batch's expected committed
+    tokens per second, ``(rows + expected accepted) / (T_verify(rows, width) + T_draft(m))``
+    with ``m`` requests drafting in one drafter pass.
+
+    ``survival[i]`` lists request i's candidate nodes with the chance that each survives
+    verification (its whole path accepted), parents first, in falling order: a chain's j-th
+    draft (the first j all survive) or a tree's nodes sorted by path probability (every prefix
+    of that list is a subtree). k nodes take a row of k + 1 tokens and add their chances to
+    the expected accepted tokens. Looked-up requests pay no drafter pass: they verify as many
+    nodes as the pass is wide."""
+    rows = len(survival)
+    limits = [len(a) for a in survival]
+    gains = [np.concatenate([[0.0], np.cumsum(a)]) for a in survival]
     best_rate, best = rows / costs.verify(rows, 1, context), [0] * rows
     for width in range(2, 1 + max(limits, default=0) + 1):
         verify = costs.verify(rows, width, context)
@@ -435,5 +451,4 @@ def plan_batch(schedulers: Sequence[Scheduler], rooms: Sequence[int],
                 best_rate, best = rate, [min(width - 1, limits[i])
                                          if looked_up[i] or i in drafting else 0
                                          for i in range(rows)]
-    return [s.probe(k, lim) if not n and lim > 0 else k
-            for s, k, lim, n in zip(schedulers, best, limits, looked_up)]
+    return best

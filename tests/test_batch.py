@@ -304,3 +304,56 @@ def test_the_budget_weighs_looked_up_blocks_by_how_often_they_survive():
     sure = plan_batch([scheduler(0.95) for _ in range(8)], [7] * 8, [6] * 8, 300, costs)
     unsure = plan_batch([scheduler(0.2) for _ in range(8)], [7] * 8, [6] * 8, 300, costs)
     assert sure == [6] * 8 and max(unsure) < 6
+
+
+def test_the_budget_plans_tree_drafts_as_well_as_any_subtree():
+    """plan_nodes takes each request's candidate nodes by the chance that each survives (its
+    path accepted), parents first, in falling order: random trees, as tree drafts will bring
+    them, are planned as well as the best choice over every subtree of every request and every
+    set of drafting requests (brute force)."""
+    from itertools import combinations, product
+
+    from mlx_dflash.schedule import BATCH_ROWS, BatchCosts, plan_nodes
+
+    def tokens_cost(r, w):
+        return 0.010 + 0.0005 * r * w
+
+    costs = BatchCosts(COSTS, {r: [tokens_cost(r, w) / tokens_cost(1, w) for w in COSTS.sizes]
+                               for r in BATCH_ROWS}, COSTS.sizes)
+    rng = np.random.default_rng(4)
+
+    def random_tree():
+        """Parents and path survival; siblings are exclusive (their shares sum below 1)."""
+        n = int(rng.integers(1, 6))
+        parent = [-1] + [int(rng.integers(-1, i)) for i in range(1, n)]
+        share = np.zeros(n)
+        for p in set(parent):
+            kids = [i for i in range(n) if parent[i] == p]
+            share[kids] = rng.dirichlet(np.ones(len(kids) + 1))[:-1] * rng.uniform(0.3, 1)
+        path = np.array([share[i] for i in range(n)])
+        for i in range(n):
+            if parent[i] >= 0:
+                path[i] *= path[parent[i]]
+        return parent, path
+
+    def subtrees(parent):
+        n = len(parent)
+        for k in range(n + 1):
+            for chosen in combinations(range(n), k):
+                if all(parent[i] < 0 or parent[i] in chosen for i in chosen):
+                    yield chosen
+
+    def rate(rows, widths, gain, drafting):
+        return (rows + gain) / (costs.verify(rows, 1 + max(widths), 300) + costs.draft(drafting))
+
+    for _ in range(25):
+        trees = [random_tree() for _ in range(2)]
+        ordered = [np.sort(path)[::-1] for _, path in trees]  # parents first: P(child) <= P(parent)
+        counts = plan_nodes(ordered, [False, False], 300, costs)
+        planned = rate(2, counts, sum(o[:k].sum() for o, k in zip(ordered, counts)),
+                       sum(k > 0 for k in counts))
+        best = max(rate(2, [len(s) for s in choice],
+                        sum(path[list(s)].sum() for (_, path), s in zip(trees, choice)),
+                        sum(len(s) > 0 for s in choice))
+                   for choice in product(*(list(subtrees(p)) for p, _ in trees)))
+        assert planned >= best - 1e-12
