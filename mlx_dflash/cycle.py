@@ -15,15 +15,21 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
+import numpy as np
+
 from .accept import SamplingParams, accept_block, point_mass
 from .drafters.base import Drafter, Proposal
 from .pair_cache import PairCache
 from .target import Target
+from .tree import DraftTree, build_tree, candidates, target_choices
 
 DEFAULT_PREFILL_STEP = 2048
 
 # Where a cycle's drafts came from.
-DRAFTER, COPY, NGRAM, PLAIN = "drafter", "copy", "ngram", "plain"
+DRAFTER, COPY, NGRAM, PLAIN, TREE = "drafter", "copy", "ngram", "plain", "tree"
+
+# Candidates per draft position that a tree may branch into.
+TREE_BRANCHING = 4
 
 
 @dataclass
@@ -49,6 +55,22 @@ class Cycle:
         values = self.packed.tolist()  # the one host sync of the cycle
         a, K = values[0], self.num_drafts
         return a, values[1 : 1 + a] + [values[1 + K + a]]
+
+
+@dataclass
+class TreeCycle(Cycle):
+    """A cycle verifying a tree of drafts (tree.py): ``packed`` holds the target's token after
+    each row of the pass; the walk down the tree happens at the sync."""
+
+    tree: DraftTree | None = None
+    kept: list[int] | None = None  # after resolve: the pass's rows that stay (anchor, path)
+
+    def resolve(self) -> tuple[int, list[int]]:
+        path, token = self.tree.walk(self.packed.tolist())  # the cycle's one host sync
+        tokens = [self.tree.tokens[row - 1] for row in path] + [token]
+        self.kept = [0] + path
+        self.next_tokens = mx.array(tokens, dtype=mx.uint32)
+        return len(path), tokens
 
 
 def prefill(
@@ -142,6 +164,22 @@ class Speculator:
             mx.concatenate([anchor, proposal.drafts])[None], self.cache, self.layer_ids)
         return accepted_cycle(anchor, proposal, logits[0], features, self.params, source)
 
+    def tree_cycle(self, anchor: mx.array, size: int) -> TreeCycle:
+        """A cycle verifying a tree of ``size`` drafted nodes below ``anchor``, grown from the
+        drafter's candidates at each block position. Its shape is decided on the host, so
+        building it syncs once before the target pass (a chain cycle does not)."""
+        self.catch_up()
+        logits = self.drafter.position_logits(self.target, anchor, self.draft_cache, self.width,
+                                              self.drafter.max_drafts)
+        ids, probs = candidates(logits, TREE_BRANCHING, self.drafter.vocab_ids)
+        mx.eval(ids, probs)
+        tree = build_tree(np.array(ids), np.array(probs), size)
+        tokens = mx.concatenate([anchor, mx.array(tree.tokens, dtype=mx.uint32)])[None]
+        logits, features = self.target.forward_tree(tokens, tree.depths(), tree.visible(),
+                                                    self.cache, self.layer_ids)
+        choices = target_choices(logits[0], self.params)
+        return TreeCycle(anchor, len(tree), TREE, choices, choices, features, tree=tree)
+
     def feed(self, cycle: Cycle) -> None:
         """Queue all of a cycle's features for the drafter before it is synced (a plain
         cycle's one position, when the next cycle is built from its token ahead)."""
@@ -150,7 +188,13 @@ class Speculator:
 
     def settle(self, cycle: Cycle, accepted: int, fed: bool = False) -> None:
         """After the sync: drop the rejected drafts from the target cache and queue the
-        accepted positions' features for the drafter (unless ``feed`` did)."""
+        accepted positions' features for the drafter (unless ``feed`` did). A tree keeps the
+        anchor's and the accepted path's rows."""
+        if isinstance(cycle, TreeCycle):
+            self.target.keep_rows(self.cache, cycle.kept)
+            if self.drafter is not None:
+                self.backlog.append(cycle.features[:, mx.array(cycle.kept)])
+            return
         self.target.rollback(self.cache, cycle.num_drafts - accepted)
         if not fed:
             self.queue_features(cycle, accepted)

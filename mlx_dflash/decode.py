@@ -18,7 +18,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .accept import SamplingParams, sample_first
-from .cycle import DEFAULT_PREFILL_STEP, NGRAM, Cycle, Speculator, prefill
+from .cycle import DEFAULT_PREFILL_STEP, DRAFTER, NGRAM, TREE, Cycle, Speculator, prefill
 from .drafters import check_fits
 from .drafters.base import Drafter, drafting, verify_width
 from .pair_cache import PairCache, needs_checkpoints
@@ -40,6 +40,7 @@ class GenerationStats:
     draft_lengths: list[int] = field(default_factory=list)  # per cycle: drafts verified
     copy_cycles: int = 0  # cycles that verified a looked-up block instead of the drafter's
     ngram_cycles: int = 0  # of those, blocks from the drafter's n-gram table (ngram.py)
+    tree_cycles: int = 0  # cycles that verified a tree of drafts (tree.py)
     cached_tokens: int = 0  # prompt tokens a prompt_cache already held (not prefilled)
 
     def record(self, cycle: Cycle, accepted: int) -> None:
@@ -47,6 +48,7 @@ class GenerationStats:
         self.draft_lengths.append(cycle.num_drafts)
         self.copy_cycles += cycle.looked_up
         self.ngram_cycles += cycle.source == NGRAM
+        self.tree_cycles += cycle.source == TREE
 
     @property
     def prefilled_tokens(self) -> int:
@@ -170,6 +172,17 @@ def _check_request(model: Any, drafter: Drafter | None, tokenizer: Any, max_toke
     return target, drafting(drafter, block_size, schedule), tokenizer, width
 
 
+def _check_tree(target: Target, drafter: Drafter | None, size: int) -> None:
+    if size < 1:
+        raise ValueError(f"tree must be >= 1 drafted nodes, got {size}")
+    if drafter is None or not hasattr(drafter, "position_logits"):
+        raise ValueError("tree drafts need a drafter that scores each block position "
+                         "(DFlash, DFlash 2 or DSpark)")
+    if not target.tree_ready:
+        raise ValueError(f"tree drafts need a target whose layers are all full attention with "
+                         f"plain KV caches; model type '{target.model_type}' is not one")
+
+
 def stream_generate(
     model: Any,
     drafter: Drafter | None,
@@ -187,17 +200,22 @@ def stream_generate(
     copy_ngram: int = COPY_NGRAM,
     schedule: bool = True,
     prompt_cache: PairCache | None = None,
+    tree: int | None = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate from ``prompt`` with speculative decoding; yields one response per cycle.
 
     ``drafter=None``: the target alone. ``block_size`` fixes the most tokens a cycle verifies
     (else the scheduler chooses); ``copy_drafts``: blocks looked up from the context too.
+    ``tree``: every drafter cycle verifies a tree of that many drafted nodes instead of a
+    chain (tree.py; targets whose layers are all full attention).
     ``prompt_cache`` (a :class:`PairCache` holding a proper prefix of the prompt) is continued
     from and holds the whole sequence at the end (``tokens`` None if closed early where the
     caches could not be cut back)."""
     params = SamplingParams(temperature, top_p, top_k)
     target, drafter, tokenizer, width = _check_request(model, drafter, tokenizer, max_tokens,
                                                        block_size, schedule)
+    if tree:
+        _check_tree(target, drafter, tree)
     tokens = encode_prompt(tokenizer, prompt)
     stats = GenerationStats(prompt_tokens=len(tokens), block_size=width)
     out = TextStream(tokenizer, stats, max_tokens)
@@ -207,8 +225,16 @@ def stream_generate(
     with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream):
         # Before any clock starts: the scheduler's first use times the passes (then cached).
         policy = BlockPolicy.for_request(target, drafter, width, tokens,
-                                         block_size is None and schedule, copy_drafts, copy_ngram)
+                                         block_size is None and schedule and not tree,
+                                         copy_drafts, copy_ngram)
         spec = Speculator(target, drafter, params, width, tokens, prompt_cache)
+
+        def plan(anchor: mx.array, room: int, context: int, may_look_up: bool = True) -> Cycle:
+            K, block, source = policy.choose(room, context, may_look_up)
+            if tree and source == DRAFTER:
+                return spec.tree_cycle(anchor, tree)
+            return spec.cycle(anchor, K, block, source)
+
         stats.cached_tokens = spec.cached
         tic = time.perf_counter()
         anchor = sample_first(spec.prefill(tokens, prefill_step_size, prompt_progress), params)
@@ -227,7 +253,7 @@ def stream_generate(
             done, context = stats.generation_tokens, len(tokens) + stats.generation_tokens
             # Start the next cycle before handing these tokens to the caller, so its compute
             # overlaps whatever the caller does with them.
-            cycle = pending or spec.cycle(anchor, *policy.choose(max_tokens - done - 1, context))
+            cycle = pending or plan(anchor, max_tokens - done - 1, context)
             cycle.start()
             pending = None
             if (cycle.num_drafts == 0 and done + 1 < max_tokens
@@ -235,8 +261,8 @@ def stream_generate(
                 # A plain cycle commits exactly one token, known lazily: build the next cycle
                 # from it now, as mlx-lm does (lookups wait for a synced cycle).
                 spec.feed(cycle)
-                pending = spec.cycle(cycle.next_tokens[:1], *policy.choose(
-                    max_tokens - done - 2, context + 1, may_look_up=False))
+                pending = plan(cycle.next_tokens[:1], max_tokens - done - 2, context + 1,
+                               may_look_up=False)
                 pending.start()
             try:
                 yield out.response(new_tokens, accepted)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .cycle import COPY, DRAFTER, NGRAM, PLAIN, Cycle
+from .cycle import COPY, DRAFTER, NGRAM, PLAIN, TREE, Cycle
 from .drafters.base import Drafter
 from .lookup import CopyIndex
 from .ngram import NgramTable
@@ -86,7 +86,7 @@ class BlockPolicy:
     def observe(self, cycle: Cycle, accepted: int) -> None:
         """What a cycle accepted (the scheduler's survival estimates for drafts, or for
         looked-up blocks, learn it)."""
-        if self.scheduler is None:
+        if self.scheduler is None or cycle.source == TREE:
             return
         if cycle.looked_up:
             self.scheduler.observe_lookup(cycle.num_drafts, accepted)

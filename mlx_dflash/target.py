@@ -19,6 +19,13 @@ Rollback after a partial accept is exact for every cache kind the table uses:
   restores it and feeds the accepted positions through the layer's linear attention again
   ("replay"). Keeping the state after every position instead ("per_position") is implemented
   too, for measurement (BENCHMARKS.md compares the two).
+
+A tree pass (``forward_tree``, tree.py) places each token at the position of its depth: for
+the length of the pass each attention layer's rotary embedding is swapped for one that rotates
+every token by its own position, and the pass gets a tree attention mask. Afterwards the KV
+caches keep the anchor's and the accepted path's rows, moved to consecutive slots
+(``keep_rows``). Only targets whose layers are all full attention with plain KV caches take
+tree passes (``tree_ready``); it is checked against ordinary passes on first use.
 """
 
 from __future__ import annotations
@@ -295,6 +302,18 @@ def _trim_rotating(cache: RotatingKVCache, n: int, pass_tokens: int) -> None:
     cache.state = (keys, values, offset, keep, max_size, idx)
 
 
+class _DepthRope:
+    """A rotary embedding that puts token i of a pass at ``offset + positions[i]``: each token
+    is rotated as a batch row of its own (MLX's rope takes one offset per batch row)."""
+
+    def __init__(self, rope: Any, positions: mx.array):
+        self.rope, self.positions = rope, positions
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        rows = x.transpose(2, 1, 0, 3)  # [1, H, L, D] -> [L, H, 1, D]
+        return self.rope(rows, offset=offset + self.positions).transpose(2, 1, 0, 3)
+
+
 def _only_kv(cache: Sequence[Any]) -> bool:
     """All layers trimmable at any depth (plain / quantized KV caches)."""
     return all(
@@ -408,16 +427,18 @@ class Target:
         cache: list[Any] | None,
         layer_ids: Sequence[int],
         record: bool = False,
+        mask: mx.array | None = None,
     ) -> tuple[mx.array, mx.array | None]:
         """Run the decoder stack. Returns (final post-norm hidden, concatenated tap features).
 
         With ``record`` (and a cache from ``make_cache``), keep what rolling back part of this
-        pass needs for recurrent layers (their inputs or per-position states).
+        pass needs for recurrent layers (their inputs or per-position states). ``mask``: the
+        attention mask of every layer (a tree pass's), instead of the model's own.
         """
         h = self.embed(tokens)
         if cache is None:
             cache = [None] * self.num_layers
-        masks = self._masks(h, cache)
+        masks = self._masks(h, cache) if mask is None else [mask] * self.num_layers
         tracked = isinstance(cache, TargetCache)
         recurrent = [] if record and tracked else None
         taps = {}
@@ -492,6 +513,79 @@ class Target:
         for rec in record.recurrent or []:
             rec.restore(record.num_tokens - num_tokens)
         cache.last_pass = None  # a second rollback would need the pass before
+
+    # -- tree passes ---------------------------------------------------------------------------
+    @property
+    def tree_ready(self) -> bool:
+        """Whether this target takes tree passes: every layer full attention with a plain KV
+        cache and a rotary embedding this module can place token by token, and a tree pass
+        equal to ordinary passes (checked once)."""
+        if self._tree_ready is None:
+            self._tree_ready = (
+                all(kind == FULL for kind in self.layer_kinds)
+                and all(type(c) is KVCache for c in make_prompt_cache(self.model))
+                and all(hasattr(getattr(layer, "self_attn", None), "rope")
+                        for layer in self.inner.layers)
+                and self._tree_matches())
+        return self._tree_ready
+
+    _tree_ready: bool | None = None
+
+    def forward_tree(self, tokens: mx.array, depths: Sequence[int], visible: Any,
+                     cache: list[Any], layer_ids: Sequence[int] = ()
+                     ) -> tuple[mx.array, mx.array | None]:
+        """Logits [1, L, V] and tap features of a tree pass: ``tokens`` [1, L] (the anchor,
+        then the nodes), row i at position ``offset + depths[i]`` and seeing the cached context
+        and the rows ``visible[i]`` ([L, L] bool) marks. Follow with ``keep_rows``."""
+        offset = cache[0].offset
+        L = tokens.shape[1]
+        mask = mx.concatenate([mx.ones((L, offset), dtype=mx.bool_),
+                               mx.array(visible).astype(mx.bool_)], axis=1)
+        positions = mx.array(list(depths), dtype=mx.int32)
+        attentions = [layer.self_attn for layer in self.inner.layers]
+        ropes = [a.rope for a in attentions]
+        for a, rope in zip(attentions, ropes):
+            a.rope = _DepthRope(rope, positions)
+        try:
+            h, features = self.hidden_states(tokens, cache, layer_ids, mask=mask)
+        finally:
+            for a, rope in zip(attentions, ropes):
+                a.rope = rope
+        return self.lm_head(h), features
+
+    @staticmethod
+    def keep_rows(cache: list[Any], rows: Sequence[int]) -> None:
+        """After a tree pass: keep only ``rows`` of it (row 0 the anchor, then the accepted
+        path's), in consecutive slots; drop the rest."""
+        start = cache[0].offset - cache.last_pass.num_tokens
+        n = len(rows)
+        if list(rows) != list(range(n)):
+            idx = mx.array([start + r for r in rows], dtype=mx.int32)
+            for c in cache:
+                c.keys[..., start : start + n, :] = c.keys[..., idx, :]
+                c.values[..., start : start + n, :] = c.values[..., idx, :]
+        for c in cache:
+            c.offset = start + n
+        cache.last_pass = None
+
+    def _tree_matches(self) -> bool:
+        """A tree pass equals ordinary passes: a chain of two nodes, and a second child of the
+        anchor (its own pass), on scratch caches."""
+        context = mx.array([[1, 2, 3]], dtype=mx.uint32)
+        tree_tokens = mx.array([[4, 5, 6, 7]], dtype=mx.uint32)  # anchor 4; 5 -> 6; 7
+
+        def after_context() -> TargetCache:
+            cache = self.make_cache()
+            self.hidden_states(context, cache, ())
+            return cache
+
+        got = self.forward_tree(tree_tokens, [0, 1, 2, 1],
+                                [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]],
+                                after_context())[0][0]
+        chain = self.forward(tree_tokens[:, :3], after_context())[0][0]
+        side = self.forward(mx.array([[4, 7]], dtype=mx.uint32), after_context())[0][0]
+        want = mx.concatenate([chain, side[1:]]).astype(mx.float32)
+        return mx.allclose(got.astype(mx.float32), want, atol=1e-3, rtol=1e-3).item()
 
     # -- load-time checks --------------------------------------------------------------------
     def _check_caches(self) -> None:

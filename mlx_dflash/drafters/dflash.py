@@ -207,6 +207,14 @@ class DFlashDraftModel(nn.Module):
         hidden = hidden[s : s + num_drafts]
         return self.propose_from(target, anchor, hidden, self.head(target, hidden), params)
 
+    def position_logits(self, target: Any, anchor: mx.array, cache: list[Any], width: int,
+                        num_positions: int) -> mx.array:
+        """Draft logits [K, V'] of the block's first K draft positions, each on its own (a
+        tree's candidates: tree.py)."""
+        s = self.first_draft_slot
+        hidden = self.block_hidden(target, anchor, cache, self.block_width(width))
+        return self.head(target, hidden[s : s + num_positions])
+
     def propose_batch(
         self,
         target: Any,

@@ -1,0 +1,190 @@
+"""Tree drafts (tree.py): the tree's shape, one target pass over it equal to ordinary passes,
+and generation with trees equal to the target's own output (greedy: token for token, with
+accepted paths ending on side branches; sampled: in distribution)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_lossless_greedy import reference
+from test_lossless_sampling import (
+    N_SAMPLES,
+    V,
+    assert_follows,
+    exact_joint,
+    sample_runs,
+)
+from tiny import make_drafter, make_family_target, make_target, make_tokenizer
+
+from mlx_dflash import generate, stream_generate
+from mlx_dflash.accept import SamplingParams
+from mlx_dflash.target import Target
+from mlx_dflash.tree import DraftTree, build_tree
+
+
+def test_the_tree_is_the_best_nodes_grown_best_first():
+    ids = np.array([[10, 11], [20, 21], [30, 31]])
+    probs = np.array([[0.6, 0.25], [0.5, 0.4], [0.9, 0.1]])
+    tree = build_tree(ids, probs, 5)
+    # 10 (.6), 10-20 (.3), 10-20-30 (.27), 11 (.25), 10-21 (.24)
+    assert tree.tokens == [10, 20, 30, 11, 21]
+    assert tree.parents == [-1, 0, 1, -1, 0]
+    assert np.allclose(tree.scores, [0.6, 0.3, 0.27, 0.25, 0.24])
+    assert tree.depths() == [0, 1, 2, 3, 1, 2]
+    visible = tree.visible()
+    assert visible[3].tolist() == [True, True, True, True, False, False]  # 10-20-30
+    assert visible[5].tolist() == [True, True, False, False, False, True]  # 10-21
+    assert all(s <= tree.scores[p] for s, p in zip(tree.scores, tree.parents) if p >= 0)
+
+
+def test_the_walk_follows_the_target_down_any_branch():
+    tree = DraftTree(tokens=[10, 20, 11, 30, 21], parents=[-1, 0, -1, 1, 0])
+    # rows: 0 anchor, 1 "10", 2 "10-20", 3 "11", 4 "10-20-30", 5 "10-21"
+    assert tree.walk([10, 21, 0, 0, 0, 7]) == ([1, 5], 7)  # a side branch, then the bonus
+    assert tree.walk([11, 0, 0, 8, 0, 0]) == ([3], 8)
+    assert tree.walk([12, 0, 0, 0, 0, 0]) == ([], 12)
+    assert tree.walk([10, 20, 30, 0, 9, 0]) == ([1, 2, 4], 9)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_tree_pass_equals_ordinary_passes(tied):
+    model = make_target("qwen3", tied=tied, seed=3)
+    target = Target(model)
+    assert target.tree_ready
+    context = mx.array([[5, 9, 14, 3]], dtype=mx.uint32)
+    tree = DraftTree(tokens=[10, 20, 11, 30, 21], parents=[-1, 0, -1, 1, 0])
+    rows = mx.array([[7] + tree.tokens], dtype=mx.uint32)
+    cache = target.make_cache()
+    target.hidden_states(context, cache, ())
+    logits, _ = target.forward_tree(rows, tree.depths(), tree.visible(), cache)
+    for row in range(len(tree) + 1):  # each row against its own path run as a chain
+        path, r = [], row
+        while r:
+            path.insert(0, tree.tokens[r - 1])
+            r = tree.parents[r - 1] + 1
+        plain = target.make_cache()
+        target.hidden_states(context, plain, ())
+        want = target.forward(mx.array([[7] + path], dtype=mx.uint32), plain)[0][0, -1]
+        assert mx.allclose(logits[0, row], want, atol=1e-4).item(), row
+    # Keeping the path 11 (row 3): the cache continues as if 7, 11 had been run alone.
+    target.keep_rows(cache, [0, 3])
+    plain = target.make_cache()
+    target.hidden_states(context, plain, ())
+    target.hidden_states(mx.array([[7, 11]], dtype=mx.uint32), plain, ())
+    nxt = mx.array([[40]], dtype=mx.uint32)
+    assert mx.allclose(target.forward(nxt, cache)[0], target.forward(nxt, plain)[0],
+                       atol=1e-4).item()
+
+
+class TreeOracle:
+    """A drafter whose position candidates hold the target's true continuation, often in
+    second place (so the accepted path leaves the best chain for a side branch) and sometimes
+    not at all (so cycles end early)."""
+
+    def __init__(self, drafter, sequence, seed=0):
+        self.inner, self.sequence = drafter, sequence
+        self.rng = np.random.default_rng(seed)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def position_logits(self, target, anchor, cache, width, num_positions):
+        pos = cache[0].offset
+        want = self.sequence[pos + 1 : pos + 1 + num_positions]
+        want += [0] * (num_positions - len(want))
+        logits = self.rng.normal(0, 0.1, (num_positions, target.vocab_size)).astype(np.float32)
+        for k, t in enumerate(want):
+            u = self.rng.random()
+            if u < 0.7:  # the true token among the first two candidates
+                logits[k, t] = 5.0 if u < 0.35 else 4.0
+                other = (t + 1 + int(self.rng.integers(target.vocab_size - 1))) % target.vocab_size
+                logits[k, other] = 4.5
+        return mx.array(logits)
+
+
+@pytest.mark.parametrize("size", [1, 3, 8, 20])
+def test_greedy_trees_equal_the_target_on_every_branch(size, monkeypatch):
+    side_branches = []
+    walk = DraftTree.walk
+
+    def recorded(tree, choices):
+        path, token = walk(tree, choices)
+        # a node that is not its parent's first child: the path left the best chain
+        side_branches.append(any(tree.parents.index(tree.parents[r - 1]) != r - 1
+                                 for r in path))
+        return path, token
+
+    monkeypatch.setattr(DraftTree, "walk", recorded)
+    model = make_target("qwen3", seed=2)
+    tok = make_tokenizer(128)
+    prompt = [5, 9, 14, 3, 9, 14, 22, 8]
+    want, _ = reference(model, prompt, 40)
+    drafter = TreeOracle(make_drafter(model, block_size=6), prompt + want)
+    out, accepted, trees = [], 0, 0
+    for r in stream_generate(model, drafter, tok, prompt, max_tokens=40, tree=size,
+                             copy_drafts=False):
+        out += r.tokens
+        accepted += r.accepted
+        trees = r.stats.tree_cycles
+    assert out == want
+    assert trees > 0 and accepted > 0
+    if size >= 3:
+        assert any(side_branches)
+
+
+def test_greedy_trees_with_a_random_drafter_and_copy_drafts():
+    model = make_target("qwen3", seed=2)
+    tok = make_tokenizer(128)
+    for prompt in ([5, 9, 14, 3, 9, 14, 22, 8], [7] * 5 + [3, 4, 7, 7]):
+        want, _ = reference(model, prompt, 30)
+        got = generate(model, make_drafter(model, block_size=4), tok, prompt, max_tokens=30,
+                       tree=6)
+        assert got == tok.decode(want)
+
+
+@pytest.mark.parametrize("family", ["dspark", "dflash2"])
+def test_every_drafter_family_grows_trees(family):
+    """DSpark (its block's slot logits, vocabulary reduced) and DFlash 2 grow trees too;
+    greedy and sampled output as the target's."""
+    from test_dflash2 import make_dflash2
+    from test_dspark import make_dspark
+
+    model = make_target("qwen3", seed=2)
+    tok = make_tokenizer(128)
+    vocab = list(range(0, 128, 2)) if family == "dspark" else None
+    drafter = (make_dspark(model, vocab=vocab) if family == "dspark" else make_dflash2(model))
+    prompt = [5, 9, 14, 3, 9, 14, 22, 8]
+    want, _ = reference(model, prompt, 24)
+    out, trees = [], 0
+    for r in stream_generate(model, drafter, tok, prompt, max_tokens=24, tree=6,
+                             copy_drafts=False):
+        out += r.tokens
+        trees = r.stats.tree_cycles
+    assert out == want and trees > 0
+    mx.random.seed(5)
+    sampled = generate(model, drafter, tok, prompt, max_tokens=12, tree=6, temperature=0.9)
+    mx.random.seed(5)
+    assert sampled == generate(model, drafter, tok, prompt, max_tokens=12, tree=6,
+                               temperature=0.9)  # seeded: reproducible
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.8, 3)])
+def test_sampled_trees_follow_the_target(temperature, top_p, top_k):
+    model = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)
+    drafter = make_drafter(model, block_size=4, layer_ids=(0, 1), mask_token_id=2, seed=7)
+    joint, marginal4 = exact_joint(model, SamplingParams(temperature, top_p, top_k))
+    counts, counts4, accepted, _ = sample_runs(model, drafter, 99, tree=5,
+                                               temperature=temperature, top_p=top_p,
+                                               top_k=top_k)
+    assert counts.sum() == N_SAMPLES
+    assert_follows(counts, counts4, joint, marginal4)
+    assert accepted > 0
+
+
+def test_targets_without_tree_passes_are_refused_clearly():
+    model = make_family_target("qwen3_next", seed=1)  # Gated DeltaNet layers
+    with pytest.raises(ValueError, match="full attention"):
+        generate(model, make_drafter(model, block_size=4), make_tokenizer(128), [5, 6, 7],
+                 max_tokens=4, tree=4)
+    model = make_target("qwen3")
+    with pytest.raises(ValueError, match="drafter"):
+        generate(model, None, make_tokenizer(128), [5, 6, 7], max_tokens=4, tree=4)
