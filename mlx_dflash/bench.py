@@ -9,7 +9,7 @@ from __future__ import annotations
 import platform
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
@@ -84,10 +84,12 @@ def run_bench(
     progress: bool = True,
     copy_drafts: bool = False,
     auto: bool = True,
+    trees: Sequence[int] = (),
 ) -> dict:
     """Per domain: plain decoding, then the drafter at each fixed block size (and with copy
-    drafts when asked: variant "B+copy"), and the default settings (variant "auto": the
-    scheduler, copy drafts as the package default), interleaved prompt by prompt."""
+    drafts when asked: variant "B+copy"), trees of each size in ``trees`` (variant "treeN",
+    no copy drafts), and the default settings (variant "auto": the scheduler, copy drafts as
+    the package default), interleaved prompt by prompt."""
     from tqdm import tqdm
 
     results: dict[str, Any] = {
@@ -105,9 +107,11 @@ def run_bench(
         results["machine"]["blas"] = Path(provider).name if provider else "default"
     except Exception:  # noqa: BLE001 - informational only
         pass
-    cost = {B: measure_pass_costs(model, B) for B in block_sizes}
+    cost = {B: measure_pass_costs(model, B) for B in [*block_sizes, *(n + 1 for n in trees)]}
     results["verify_decode_cost"] = {str(B): c for B, c in cost.items()}
+    results["settings"]["trees"] = list(trees)
     variants = {str(B): (B, {"block_size": B, "copy_drafts": False}) for B in block_sizes}
+    variants.update({f"tree{n}": (n + 1, {"tree": n, "copy_drafts": False}) for n in trees})
     if copy_drafts:
         variants.update({f"{B}+copy": (B, {"block_size": B, "copy_drafts": True})
                          for B in block_sizes})
@@ -119,7 +123,7 @@ def run_bench(
         plain_tokens, plain_time = 0, 0.0
         spec = {name: {"tokens": 0, "time": 0.0, "acc": [], "pos_hits": [0] * (B - 1),
                        "pos_tries": [0] * (B - 1), "mismatches": 0, "copy_cycles": 0,
-                       "ngram_cycles": 0}
+                       "ngram_cycles": 0, "drafted": 0}
                 for name, (B, _) in variants.items()}
         for text in prompts:
             prompt = chat_prompt(tokenizer, text)
@@ -136,9 +140,10 @@ def run_bench(
                 s["tokens"] += len(out)
                 s["time"] += elapsed
                 s["acc"] += stats.acceptance_lengths
+                s["drafted"] += stats.drafted_tokens
                 s["mismatches"] += int(out != ref)
                 for a, k in zip(stats.acceptance_lengths, stats.draft_lengths):
-                    for pos in range(k):
+                    for pos in range(min(k, len(s["pos_tries"]))):  # a tree: by depth
                         s["pos_tries"][pos] += 1
                         s["pos_hits"][pos] += int(a - 1 > pos)
                 bar.update(1)
@@ -156,6 +161,7 @@ def run_bench(
                 "tokens_per_s": tps,
                 "speedup": tps / plain_tps,
                 "mean_acceptance_length": sum(s["acc"]) / max(len(s["acc"]), 1),
+                "drafted_per_cycle": s["drafted"] / max(len(s["acc"]), 1),
                 "acceptance_by_position": [h / t if t else None
                                            for h, t in zip(s["pos_hits"], s["pos_tries"])],
                 "verify_decode_ratio": cost[B]["ratio"] if name != "auto" else None,
@@ -179,8 +185,9 @@ def format_table(results: dict) -> str:
         for B, s in e["speculative"].items():
             same = e["prompts"] - s["outputs_differing_from_plain"]
             ratio = s.get("verify_decode_ratio")
+            label = B if B == "auto" or B.startswith("tree") else f"B={B}"
             lines.append(
-                f"| {domain} | {e['prompts']} | {'auto' if B == 'auto' else f'B={B}'} | "
+                f"| {domain} | {e['prompts']} | {label} | "
                 f"{s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | "
                 f"{s['mean_acceptance_length']:.2f} | "
                 f"{'-' if ratio is None else f'{ratio:.2f}'} | {same}/{e['prompts']} |")

@@ -28,6 +28,8 @@ def bench(
                               "drafts (variant 'B+copy')."),
     auto: bool = typer.Option(True, "--auto/--no-auto", help="Also run the default settings "
                               "(variant 'auto': scheduler + copy drafts)."),
+    tree: List[int] = typer.Option([], "--tree", min=1, help="Also run tree drafts of this "
+                                   "many nodes (variant 'treeN', no copy drafts); repeatable."),
     concurrency: List[int] = typer.Option([], "--concurrency", "-c", min=1,
                                           help="Requests at once; repeatable. Instead of the "
                                           "single-request bench: groups of this many prompts "
@@ -63,7 +65,7 @@ def bench(
                                   block_size[0], stagger=stagger)
     else:
         results = run_bench(target, draft, tokenizer, sets, list(block_size), max_tokens,
-                            copy_drafts=copy, auto=auto)
+                            copy_drafts=copy, auto=auto, trees=list(tree))
     # Named as given (a shipped drafter by its name): no paths of this machine in the results.
     results["settings"]["drafter"] = drafter or DEFAULT_DRAFTER
     results["settings"]["model"] = model or "default (SmolLM2-135M-Instruct, float32)"

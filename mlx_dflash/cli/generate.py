@@ -26,6 +26,9 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", min=0),
     block_size: Optional[int] = typer.Option(None, "--block-size", "-b", min=1,
                                              help="Block size (default: the drafter's)."),
+    tree: Optional[int] = typer.Option(None, "--tree", min=1,
+                                       help="Verify a tree of this many drafted nodes per "
+                                       "cycle instead of a chain (full-attention targets)."),
     seed: Optional[int] = typer.Option(None, "--seed"),
     no_chat_template: bool = typer.Option(False, "--no-chat-template",
                                           help="Send the prompt as raw text."),
@@ -52,7 +55,7 @@ def generate(
     for last in stream_generate(
         target, draft, tokenizer, chat_prompt(tokenizer, text, not no_chat_template),
         max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k,
-        block_size=block_size, prompt_progress=progress, copy_drafts=copy,
+        block_size=block_size, prompt_progress=progress, copy_drafts=copy, tree=tree,
     ):
         progress.clear()
         print(last.text, end="", flush=True)
