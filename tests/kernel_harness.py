@@ -140,16 +140,7 @@ def translation_unit(spec: KernelSpec, inputs: list[Arg], output_dtypes: list[st
         f'#line 1 "{spec.body}"',
         source,
         "}",
-        'extern "C" int harness_launch(void** args, unsigned grid, unsigned group, int order,',
-        "                              unsigned long long seed, char* error, int error_len) {",
-        "  std::string e = harness::launch(grid, group, harness::Order(order), seed,",
-        "      [&](const harness::ThreadIds& ids) {",
-        f"        {spec.name}{inst}(" + ", ".join(calls) + ");",
-        "      });",
-        '  std::snprintf(error, error_len, "%s", e.c_str());',
-        "  return e.empty() ? 0 : 1;",
-        "}",
-        "",
+        *_launcher(f"{spec.name}{inst}", calls),
     ])
 
 
@@ -210,13 +201,7 @@ def launch(spec: KernelSpec, inputs: list[Arg], output_shapes: list[tuple[int, .
             keep.append(np.array(arg.array.shape, dtype=np.int32))
     outputs = [_poisoned(shape, TYPES[dtype][1])
                for shape, dtype in zip(output_shapes, output_dtypes)]
-    pointers = (ctypes.c_void_p * (len(keep) + len(outputs)))(
-        *[a.ctypes.data for a in keep + outputs])
-    error = ctypes.create_string_buffer(1024)
-    rc = lib.harness_launch(pointers, grid, threadgroup, ORDERS[order], seed, error, 1024)
-    if rc:
-        raise KernelError(error.value.decode())
-    return outputs
+    return _run(lib, keep + outputs, outputs, grid, threadgroup, order, seed)
 
 
 def _poisoned(shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -229,3 +214,224 @@ def remove_nth(text: str, pattern: str, n: int) -> str:
     matches = list(re.finditer(pattern, text))
     m = matches[n]
     return text[: m.start()] + text[m.end():]
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels as MLX generates them: the real wrappers (mlx_dflash.kernels) launch each kernel
+# inside mx.export_function with PRINT_SOURCE on, which makes MLX print the Metal source it
+# generates; that text, translated only as far as C++ needs, runs here with the wrappers' own
+# inputs, grid and threadgroup.
+
+
+@dataclass
+class Param:
+    """One parameter of a generated kernel: its type as MLX writes it, and its name."""
+
+    type: str
+    name: str
+
+
+@dataclass
+class Generated:
+    """One launch of a wrapper: the kernel's generated source and the launch's arguments."""
+
+    spec: KernelSpec
+    text: str  # the generated Metal source, as printed
+    kernel: str  # custom_kernel_<name>_<dtype codes>
+    params: list[Param]
+    template_args: str  # "<16>", or "" for a kernel without a template
+    inputs: dict[str, np.ndarray]  # by input name, as the wrapper passed them (padded)
+    input_dtypes: dict[str, str]
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    output_shapes: list[tuple[int, ...]]
+    output_dtypes: list[str]
+
+    @property
+    def signature(self) -> str:
+        return self.kernel + "(" + ", ".join(f"{p.type} {p.name}" for p in self.params) + ")"
+
+
+class _Recorder:
+    """Stands in for the object mx.fast.metal_kernel returns: records each call's arguments;
+    ``run`` says whether to launch the real kernel (inside export_function: to print the
+    source) or to return zeros (outside it: to read the inputs' values)."""
+
+    def __init__(self, spec, real, calls, run):
+        self.spec, self.real, self.calls, self.run = spec, real, calls, run
+
+    def __call__(self, **kwargs):
+        self.calls.append((self.spec, kwargs))
+        if self.run:
+            return self.real(**kwargs)
+        import mlx.core as mx
+        return [mx.zeros(s, dtype=d) for s, d in zip(kwargs["output_shapes"],
+                                                       kwargs["output_dtypes"])]
+
+
+def _numpy(a) -> tuple[np.ndarray, str]:
+    import mlx.core as mx
+    from mlx_dflash.kernels import dtype_name
+    name = dtype_name(a.dtype)
+    if name == "bfloat16":
+        return np.array(a.view(mx.uint16)), name
+    return np.array(a), name
+
+
+def _stdout_of(fn) -> str:
+    """What fn writes to the process's stdout (fd 1, C level included)."""
+    import sys
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    libc.fflush(None)
+    saved = os.dup(1)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 1)
+        try:
+            fn()
+        finally:
+            libc.fflush(None)
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+        sink.seek(0)
+        return sink.read().decode()
+
+
+_GENERATED = re.compile(r"Generated source code for `(\w+)`:\n```\n(.*?)\n```", re.S)
+_KERNEL = re.compile(r"\[\[kernel\]\] void (custom_kernel_\w+)\((.*?)\) \{", re.S)
+_INSTANCE = re.compile(r"^template \[\[host_name\(.*?\)\]\] \[\[kernel\]\] "
+                       r"decltype\((\w+)(<.*?>)\) \1<.*?>;\s*$", re.M)
+_ATTRIBUTE = re.compile(r"[ \t]*\[\[\w+(\([^()]*\))?\]\]")
+
+
+def capture(call) -> list[Generated]:
+    """The kernels a call of a Metal wrapper launches. ``call(*arrays)`` is run twice: with the
+    kernels stubbed, to read the inputs the wrapper makes (padding, dummies, scalars), and
+    inside mx.export_function with PRINT_SOURCE on, for MLX's generated source. ``call`` takes
+    no arguments; it is traced with none (its arrays are constants of the export)."""
+    import mlx.core as mx
+    from mlx_dflash import kernels
+
+    real_kernel = kernels._kernel
+    calls: list = []
+
+    def stub(run):
+        return lambda spec: _Recorder(spec, real_kernel(spec), calls, run)
+
+    try:
+        kernels._kernel = stub(False)
+        outputs = call()
+        mx.eval([o for o in outputs if o is not None])
+        values = list(calls)
+        calls.clear()
+        kernels._kernel = stub(True)
+        kernels.PRINT_SOURCE = True
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "f.mlxfn")
+            printed = _stdout_of(lambda: mx.export_function(
+                path, lambda: [o for o in call() if o is not None]))
+    finally:
+        kernels._kernel = real_kernel
+        kernels.PRINT_SOURCE = False
+    sources = _GENERATED.findall(printed)
+    if len(sources) != len(values) or len(calls) != len(values):
+        raise RuntimeError(f"{len(values)} launches, {len(calls)} traced, {len(sources)} "
+                           f"sources printed:\n{printed[:2000]}")
+    out = []
+    for (spec, kw), (spec2, kw2), (name, text) in zip(values, calls, sources):
+        assert spec == spec2 and name == spec.name, (spec, spec2, name)
+        for key in ("grid", "threadgroup", "output_shapes", "template"):
+            assert kw.get(key) == kw2.get(key), key
+        m = _KERNEL.search(text)
+        params = []
+        for raw in m.group(2).split(","):
+            words = _ATTRIBUTE.sub("", raw).strip().rsplit(None, 1)
+            params.append(Param(words[0], words[1]))
+        inst = _INSTANCE.search(text)
+        arrays = [_numpy(a) for a in kw["inputs"]]
+        out.append(Generated(
+            spec=spec, text=text, kernel=m.group(1), params=params,
+            template_args=inst.group(2) if inst else "",
+            inputs={n: a for n, (a, _) in zip(spec.input_names, arrays)},
+            input_dtypes={n: d for n, (_, d) in zip(spec.input_names, arrays)},
+            grid=tuple(kw["grid"]), threadgroup=tuple(kw["threadgroup"]),
+            output_shapes=[tuple(s) for s in kw["output_shapes"]],
+            output_dtypes=[kernels.dtype_name(d) for d in kw["output_dtypes"]]))
+    return out
+
+
+def generated_unit(gen: Generated, defines: dict[str, object] | None = None) -> str:
+    """The C++ text for a generated kernel: MLX's text with its [[...]] attributes and
+    explicit instantiations removed (the launcher instantiates the template by calling it),
+    and a launcher binding each parameter by name."""
+    text = _INSTANCE.sub("", gen.text)
+    text = _ATTRIBUTE.sub("", text)
+    calls, slot = [], 0
+    for p in gen.params:
+        if p.name in ATTRIBUTES:
+            calls.append(f"ids.{p.name}")
+            continue
+        # C-style casts: they also cast into a named address space (the clang mode)
+        if p.type.endswith("&"):
+            calls.append(f"*({p.type[:-1].strip()}*)args[{slot}]")
+        else:
+            calls.append(f"({p.type})args[{slot}]")
+        slot += 1
+    return "\n".join([
+        *(f"#define {name} {value}" for name, value in (defines or {}).items()),
+        f'#include "{SHIM}"',
+        f'#line 1 "{gen.spec.name} (generated)"',
+        text,
+        *_launcher(f"{gen.kernel}{gen.template_args}", calls),
+    ])
+
+
+def _launcher(call: str, args: list[str]) -> list[str]:
+    return [
+        'extern "C" int harness_launch(void** args, unsigned grid, unsigned group, int order,',
+        "                              unsigned long long seed, char* error, int error_len) {",
+        "  std::string e = harness::launch(grid, group, harness::Order(order), seed,",
+        "      [&](const harness::ThreadIds& ids) {",
+        f"        {call}(" + ", ".join(args) + ");",
+        "      });",
+        '  std::snprintf(error, error_len, "%s", e.c_str());',
+        "  return e.empty() ? 0 : 1;",
+        "}",
+        "",
+    ]
+
+
+def launch_generated(gen: Generated, order: str = "forward", seed: int = 0,
+                     defines: dict[str, object] | None = None) -> list[np.ndarray]:
+    """Run a captured launch: the wrapper's inputs, grid and threadgroup; outputs (in the
+    spec's order) start as 0xFF bytes."""
+    (gx, gy, gz), (tx, ty, tz) = gen.grid, gen.threadgroup
+    if (gy, gz, ty, tz) != (1, 1, 1, 1) or gx % tx:
+        raise NotImplementedError(f"a 1-D launch only: grid {gen.grid}, group {gen.threadgroup}")
+    lib = build(generated_unit(gen, defines))
+    outputs = [_poisoned(shape, TYPES[dtype][1])
+               for shape, dtype in zip(gen.output_shapes, gen.output_dtypes)]
+    by_name = dict(zip(gen.spec.output_names, outputs))
+    buffers = []
+    for p in gen.params:
+        if p.name in ATTRIBUTES:
+            continue
+        if p.name in gen.inputs:
+            buffers.append(np.ascontiguousarray(gen.inputs[p.name]))
+        elif p.name in by_name:
+            buffers.append(by_name[p.name])
+        elif p.name.endswith("_shape") and p.name[:-6] in gen.inputs:
+            buffers.append(np.array(gen.inputs[p.name[:-6]].shape, dtype=np.int32))
+        else:
+            raise NotImplementedError(f"no binding for parameter {p.type} {p.name}")
+    return _run(lib, buffers, outputs, gx, tx, order, seed)
+
+
+def _run(lib, buffers, outputs, grid, group, order, seed):
+    pointers = (ctypes.c_void_p * len(buffers))(*[a.ctypes.data for a in buffers])
+    error = ctypes.create_string_buffer(1024)
+    rc = lib.harness_launch(pointers, grid, group, ORDERS[order], seed, error, 1024)
+    if rc:
+        raise KernelError(error.value.decode())
+    return outputs

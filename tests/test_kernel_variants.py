@@ -1,0 +1,108 @@
+"""Every kernel variant the decode loop can launch (kernel_check.decode_variants()), through the
+real Metal wrappers of mlx_dflash.kernels: MLX generates each launch's Metal source (printed by
+mx.export_function with kernels.PRINT_SOURCE on), the harness compiles that text as C++ and
+runs it with the wrapper's own inputs (padded, dummies), grid and threadgroup, and the outputs
+must equal the MLX twin's (kernel_check.run(..., metal=False)). What this adds to
+test_kernel_harness.py: MLX's real signature (parameter names, dtypes, address spaces, template
+instantiation) and the wrappers' launch arithmetic, for block lengths 0 to 15."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from kernel_harness import capture, compiler, launch_generated
+
+from mlx_dflash import kernel_check
+
+pytestmark = pytest.mark.skipif(
+    compiler() is None, reason="no C++ compiler (g++, c++ or $CXX) to build the kernel harness")
+
+LENGTHS = (1, 3, 7, 15)  # drafts (path_select: steps - 1); variants without drafts: 0
+VOCAB = 4096  # threads follow V (kernels.row_threads): 512 here, as at V >= 4096
+VARIANTS = kernel_check.decode_variants()
+
+
+def lengths(variant):
+    return LENGTHS if variant.drafted else (0,)
+
+
+def top_ks(variant):
+    return (0, 5) if variant.step.startswith("verify_sample") else (None,)
+
+
+def run_variant(variant, L, top_k, order="forward"):
+    """(the captured launch, the harness's outputs, the MLX twin's outputs)."""
+    args = kernel_check.example(variant, drafts=L, vocab=VOCAB, seed=L)
+    if top_k is not None:
+        args["top_k"] = top_k
+    (gen,) = capture(lambda: kernel_check.run(variant, args, metal=True))
+    got = launch_generated(gen, order=order)
+    want = [np.array(a) for a in kernel_check.run(variant, args, metal=False)]
+    return gen, got, want
+
+
+def assert_same(got, want, what):
+    assert len(got) == len(want), what
+    for g, w in zip(got, want):
+        assert g.shape == w.shape, what
+        if np.issubdtype(w.dtype, np.floating):
+            np.testing.assert_allclose(g, w, atol=1e-5, err_msg=what)
+        else:
+            assert g.tolist() == w.tolist(), what
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+def test_generated_kernel_matches_its_mlx_twin(variant):
+    """Each block length (and top-k 0 and 5 for the sampling steps): the generated kernel's
+    outputs equal the twin's, and the kernel's signature is the same for every length."""
+    signatures = set()
+    for L in lengths(variant):
+        for top_k in top_ks(variant):
+            gen, got, want = run_variant(variant, L, top_k)
+            assert_same(got, want, f"{variant} L={L} top_k={top_k}")
+            signatures.add(gen.signature)
+            # every array input reaches the kernel in device memory (padded, dummies)
+            for p in gen.params:
+                if p.name in gen.inputs and gen.inputs[p.name].ndim:
+                    assert " device " in f" {p.type} ", p
+    assert len(signatures) == 1, signatures
+
+
+def signature_key(variant):
+    return (variant.step, variant.dtype, variant.candidates, variant.sampled)
+
+
+def test_one_signature_with_and_without_drafts():
+    """A variant without drafts (dummies of the inputs' dtypes) compiles to the same kernel as
+    the one with drafts: MLX compiles no second pipeline when a block comes up empty."""
+    by_key = {}
+    for variant in VARIANTS:
+        args = kernel_check.example(variant, drafts=3 if variant.drafted else 0, vocab=VOCAB)
+        (gen,) = capture(lambda: kernel_check.run(variant, args, metal=True))  # noqa: B023
+        by_key.setdefault(signature_key(variant), set()).add(gen.signature)
+    assert all(len(s) == 1 for s in by_key.values()), by_key
+
+
+def test_generated_kernels_under_shuffled_schedules():
+    """A few variants under the shuffled schedule, three seeds each."""
+    picks = [v for v in VARIANTS if v.drafted and v.dtype == "bfloat16" and v.candidates != 1
+             and v.step != "path_select"] + [v for v in VARIANTS if v.step == "path_select"
+                                               and v.sampled and v.drafted]
+    for variant in picks:
+        args = kernel_check.example(variant, drafts=7, vocab=VOCAB)
+        (gen,) = capture(lambda: kernel_check.run(variant, args, metal=True))  # noqa: B023
+        want = [np.array(a) for a in kernel_check.run(variant, args, metal=False)]
+        for seed in range(3):
+            assert_same(launch_generated(gen, order="shuffled", seed=seed), want, str(variant))
+
+
+def test_captured_launch_is_the_wrappers():
+    """The capture reads what the wrapper passed: padded inputs, 0-d scalars, the grid."""
+    variant = next(v for v in VARIANTS if v.step == "verify_sample_candidates" and v.drafted
+                   and v.candidates == 1 and v.dtype == "float32")
+    args = kernel_check.example(variant, drafts=1, vocab=VOCAB)
+    (gen,) = capture(lambda: kernel_check.run(variant, args, metal=True))
+    assert gen.grid == (512, 1, 1) and gen.threadgroup == (512, 1, 1)
+    assert gen.inputs["drafts"].size == 8 and gen.inputs["cand_ids"].size == 8  # padded
+    assert gen.inputs["top_k"].ndim == 0 and int(gen.inputs["top_k"]) == 5
+    assert gen.template_args == "<1>"
+    assert mx.array(gen.inputs["logits"]).shape == (1, 2, VOCAB)
