@@ -21,15 +21,13 @@ from .accept import SamplingParams, accept_block, point_mass
 from .drafters.base import Drafter, Proposal
 from .pair_cache import PairCache
 from .target import Target
-from .tree import DraftTree, build_tree, candidates, target_choices
+from .tree import TREE_BEAM, DraftTree, select_tree, target_choices
 
 DEFAULT_PREFILL_STEP = 2048
 
 # Where a cycle's drafts came from.
 DRAFTER, COPY, NGRAM, PLAIN, TREE = "drafter", "copy", "ngram", "plain", "tree"
 
-# Candidates per draft position that a tree may branch into.
-TREE_BRANCHING = 4
 
 
 @dataclass
@@ -165,15 +163,14 @@ class Speculator:
         return accepted_cycle(anchor, proposal, logits[0], features, self.params, source)
 
     def tree_cycle(self, anchor: mx.array, size: int) -> TreeCycle:
-        """A cycle verifying a tree of ``size`` drafted nodes below ``anchor``, grown from the
-        drafter's candidates at each block position. Its shape is decided on the host, so
-        building it syncs once before the target pass (a chain cycle does not)."""
+        """A cycle verifying a tree of ``size`` drafted nodes below ``anchor``, grown by the
+        drafter (its ``grow_tree``). The tree's shape is decided on the host, so building it
+        syncs once before the target pass (a chain cycle does not)."""
         self.catch_up()
-        logits = self.drafter.position_logits(self.target, anchor, self.draft_cache, self.width,
-                                              self.drafter.max_drafts)
-        ids, probs = candidates(logits, TREE_BRANCHING, self.drafter.vocab_ids)
-        mx.eval(ids, probs)
-        tree = build_tree(np.array(ids), np.array(probs), size)
+        grown = self.drafter.grow_tree(self.target, anchor, self.draft_cache, self.width,
+                                       TREE_BEAM)
+        mx.eval(grown)
+        tree = select_tree(*(np.array(a) for a in grown), size)
         tokens = mx.concatenate([anchor, mx.array(tree.tokens, dtype=mx.uint32)])[None]
         logits, features = self.target.forward_tree(tokens, tree.depths(), tree.visible(),
                                                     self.cache, self.layer_ids)

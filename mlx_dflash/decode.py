@@ -175,9 +175,9 @@ def _check_request(model: Any, drafter: Drafter | None, tokenizer: Any, max_toke
 def _check_tree(target: Target, drafter: Drafter | None, size: int) -> None:
     if size < 1:
         raise ValueError(f"tree must be >= 1 drafted nodes, got {size}")
-    if drafter is None or not hasattr(drafter, "position_logits"):
-        raise ValueError("tree drafts need a drafter that scores each block position "
-                         "(DFlash, DFlash 2 or DSpark)")
+    if drafter is None or not hasattr(drafter, "grow_tree"):
+        raise ValueError("tree drafts need a drafter that grows trees (DFlash, DFlash 2 or "
+                         "DSpark)")
     if not target.tree_ready:
         raise ValueError(f"tree drafts need a target whose layers are all full attention with "
                          f"plain KV caches; model type '{target.model_type}' is not one")

@@ -18,23 +18,31 @@ recursive (multi-draft) rejection sampling: child ``c_i`` is accepted with proba
 ``p(c_i) / (1 - p(c_1) - ... - p(c_{i-1}))`` after the ones before it were rejected, ``p(c_i)``
 in all, and the residual is ``p`` outside the children: the same distribution.
 
-**Building the tree** (:func:`build_tree`): the drafter scores ``M`` candidates at each of its
-``K`` block positions (independently per position: the block pass proposes all positions at
-once). A node at depth ``d`` can be followed by any candidate of position ``d + 1``; its score is
-the product of its path's candidate probabilities. The tree is the ``N`` highest-scoring nodes,
-grown best first from the anchor (a dynamic tree, as EAGLE-2's); every prefix of that order is a
-tree, since a child never scores above its parent.
+**Growing the tree** (:func:`grow_tree`, lazily, one level per draft position): the drafter
+scores ``M`` candidates at each of its ``K`` block positions; the anchor's children are position
+0's, and a node at depth ``d`` is followed by position ``d``'s candidates, scored given the
+node's token where the drafter conditions on it (DSpark's Markov head) and alike under every
+parent where it does not (DFlash's block pass proposes all positions at once). Each level keeps
+the ``beam`` best paths by path probability. :func:`select_tree` then takes the ``N`` best
+nodes of all levels (a dynamic tree, as EAGLE-2's): since a child never scores above its
+parent, the best ``N`` are a tree.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 
 from .accept import SamplingParams, sampling_logits
+
+
+# Candidates per position a tree may branch into, from drafters that score positions on their
+# own, and the paths each level keeps.
+TREE_CANDIDATES = 8
+TREE_BEAM = 4
 
 
 @dataclass
@@ -82,36 +90,62 @@ class DraftTree:
         return path, choices[row]
 
 
-def build_tree(ids: np.ndarray, probs: np.ndarray, size: int) -> DraftTree:
-    """The ``size`` highest-scoring nodes, grown best first: ``ids`` [K, M] candidate target
-    ids per block position, ``probs`` [K, M] their probabilities; a node at depth d is followed
-    by position d's candidates (0-based: the anchor's children are position 0's)."""
-    K = ids.shape[0]
+def grow_tree(first: mx.array, transition: Callable[[int, mx.array], mx.array],
+              cand_ids: mx.array, beam: int) -> tuple[mx.array, mx.array, mx.array]:
+    """A tree's candidate nodes, level by level (lazy). ``first`` [M]: logits of position 0's
+    candidates (the anchor's children); ``transition(d, parents)``: logits [B, M] of position
+    d's candidates under each of B parent nodes of depth d (``parents``: their candidate
+    indices at position d - 1); ``cand_ids`` [K, M]: the candidates' target ids. Returns per
+    node (``beam`` per level, by level): target id, parent node (-1: the anchor), log path
+    probability."""
+    K, M = cand_ids.shape
+    beam = min(beam, M)
+    logp = first.astype(mx.float32) - mx.logsumexp(first.astype(mx.float32))
+    pick = mx.argpartition(-logp, beam - 1)[:beam]
+    scores = logp[pick]
+    tokens, parents, all_scores = [cand_ids[0][pick]], [mx.full((beam,), -1, mx.int32)], [scores]
+    for d in range(1, K):
+        logits = transition(d, pick).astype(mx.float32)  # [beam, M]
+        paths = logits - mx.logsumexp(logits, axis=-1, keepdims=True) + scores[:, None]
+        flat = paths.reshape(-1)
+        best = mx.argpartition(-flat, beam - 1)[:beam]
+        scores, pick = flat[best], best % M
+        parents.append((best // M).astype(mx.int32) + (d - 1) * beam)
+        tokens.append(cand_ids[d][pick])
+        all_scores.append(scores)
+    return (mx.concatenate(tokens).astype(mx.uint32), mx.concatenate(parents),
+            mx.concatenate(all_scores))
+
+
+def select_tree(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray,
+                size: int) -> DraftTree:
+    """The ``size`` best nodes of :func:`grow_tree`'s, parents first (by score, then depth:
+    a child never scores above its parent)."""
+    depth = np.zeros(len(tokens), dtype=np.int64)
+    for i, p in enumerate(parents):
+        depth[i] = 0 if p < 0 else depth[p] + 1
+    order = np.lexsort((depth, -scores))[:size]
+    new_index = {int(old): new for new, old in enumerate(order)}
     tree = DraftTree([], [], [])
-    # (-score, tie-break, depth of the node's position, candidate index, parent node)
-    frontier = [(-float(probs[0, m]), 0, m, -1) for m in range(ids.shape[1])]
-    heapq.heapify(frontier)
-    while frontier and len(tree) < size:
-        neg, d, m, parent = heapq.heappop(frontier)
-        node = len(tree)
-        tree.tokens.append(int(ids[d, m]))
-        tree.parents.append(parent)
-        tree.scores.append(-neg)
-        if d + 1 < K:
-            for m2 in range(ids.shape[1]):
-                heapq.heappush(frontier, (neg * float(probs[d + 1, m2]), d + 1, m2, node))
+    for old in order:
+        p = int(parents[old])
+        tree.tokens.append(int(tokens[old]))
+        tree.parents.append(-1 if p < 0 else new_index[p])
+        tree.scores.append(float(np.exp(scores[old])))
     return tree
 
 
-def candidates(logits: mx.array, width: int, vocab_ids: mx.array | None
-               ) -> tuple[mx.array, mx.array]:
-    """The ``width`` likeliest candidates of each draft position: logits [K, V'] over the draft
-    vocabulary -> (target ids [K, width], probabilities [K, width]), lazy."""
+def independent(logits: mx.array, width: int, vocab_ids: mx.array | None, beam: int
+                ) -> tuple[mx.array, mx.array, mx.array]:
+    """:func:`grow_tree` for a drafter that scores each position on its own: logits [K, V']
+    over the draft vocabulary, its ``width`` best candidates per position under any parent."""
     width = min(width, logits.shape[-1])
     top = mx.argpartition(-logits, width - 1, axis=-1)[:, :width]
-    probs = mx.take_along_axis(mx.softmax(logits.astype(mx.float32), axis=-1), top, axis=-1)
+    cand_logits = mx.take_along_axis(logits, top, axis=-1)
     ids = vocab_ids[top] if vocab_ids is not None else top
-    return ids.astype(mx.uint32), probs
+    return grow_tree(cand_logits[0],
+                     lambda d, parents: mx.broadcast_to(cand_logits[d], (parents.shape[0], width)),
+                     ids, beam)
 
 
 def target_choices(logits: mx.array, params: SamplingParams) -> mx.array:

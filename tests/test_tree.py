@@ -18,22 +18,43 @@ from tiny import make_drafter, make_family_target, make_target, make_tokenizer
 from mlx_dflash import generate, stream_generate
 from mlx_dflash.accept import SamplingParams
 from mlx_dflash.target import Target
-from mlx_dflash.tree import DraftTree, build_tree
+from mlx_dflash.tree import TREE_CANDIDATES, DraftTree, independent, select_tree
 
 
-def test_the_tree_is_the_best_nodes_grown_best_first():
-    ids = np.array([[10, 11], [20, 21], [30, 31]])
-    probs = np.array([[0.6, 0.25], [0.5, 0.4], [0.9, 0.1]])
-    tree = build_tree(ids, probs, 5)
-    # 10 (.6), 10-20 (.3), 10-20-30 (.27), 11 (.25), 10-21 (.24)
+def test_the_tree_is_the_best_nodes_of_the_best_paths():
+    logits = np.full((3, 40), -1e9, np.float32)
+    for d, (a, b) in enumerate([(0.7, 0.3), (0.6, 0.4), (0.9, 0.1)]):
+        logits[d, 10 * (d + 1)], logits[d, 10 * (d + 1) + 1] = np.log(a), np.log(b)
+    grown = independent(mx.array(logits), 2, None, beam=2)
+    tree = select_tree(*(np.array(a) for a in grown), 5)
+    # levels keep 10 .7, 11 .3 | 10-20 .42, 10-21 .28 | 10-20-30 .378, 10-21-30 .252
     assert tree.tokens == [10, 20, 30, 11, 21]
     assert tree.parents == [-1, 0, 1, -1, 0]
-    assert np.allclose(tree.scores, [0.6, 0.3, 0.27, 0.25, 0.24])
+    assert np.allclose(tree.scores, [0.7, 0.42, 0.378, 0.3, 0.28])
     assert tree.depths() == [0, 1, 2, 3, 1, 2]
     visible = tree.visible()
     assert visible[3].tolist() == [True, True, True, True, False, False]  # 10-20-30
     assert visible[5].tolist() == [True, True, False, False, False, True]  # 10-21
     assert all(s <= tree.scores[p] for s, p in zip(tree.scores, tree.parents) if p >= 0)
+
+
+def test_a_dspark_tree_of_one_path_is_its_greedy_walk():
+    """Each node's children are scored given its token by the Markov head: with one path per
+    level the tree is the Markov walk's greedy chain."""
+    from test_dspark import make_dspark
+
+    from mlx_dflash.cycle import prefill
+
+    model = make_target("qwen3", seed=2)
+    drafter = make_dspark(model)
+    target = Target(model)
+    cache, dcache = target.make_cache(), drafter.make_cache()
+    prefill(target, [5, 9, 14, 3], cache, drafter, dcache)
+    anchor = mx.array([7], dtype=mx.uint32)
+    chain = drafter.propose(target, anchor, dcache, 5, drafter.max_drafts, SamplingParams())
+    grown = drafter.grow_tree(target, anchor, dcache, 5, beam=1)
+    assert np.array(grown[0]).tolist() == np.array(chain.drafts).tolist()
+    assert np.array(grown[1]).tolist() == [-1] + list(range(drafter.max_drafts - 1))
 
 
 def test_the_walk_follows_the_target_down_any_branch():
@@ -87,7 +108,8 @@ class TreeOracle:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def position_logits(self, target, anchor, cache, width, num_positions):
+    def grow_tree(self, target, anchor, cache, width, beam):
+        num_positions = self.inner.max_drafts
         pos = cache[0].offset
         want = self.sequence[pos + 1 : pos + 1 + num_positions]
         want += [0] * (num_positions - len(want))
@@ -98,7 +120,7 @@ class TreeOracle:
                 logits[k, t] = 5.0 if u < 0.35 else 4.0
                 other = (t + 1 + int(self.rng.integers(target.vocab_size - 1))) % target.vocab_size
                 logits[k, other] = 4.5
-        return mx.array(logits)
+        return independent(mx.array(logits), TREE_CANDIDATES, None, beam)
 
 
 @pytest.mark.parametrize("size", [1, 3, 8, 20])

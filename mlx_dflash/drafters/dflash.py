@@ -17,6 +17,7 @@ import numpy as np
 
 from ..accept import SamplingParams, proposal_from_logits
 from ..ngram import NgramTable
+from ..tree import TREE_CANDIDATES, independent
 from .base import Proposal
 from .layers import DraftArgs, DraftLayer, block_mask, make_context_cache
 
@@ -207,13 +208,15 @@ class DFlashDraftModel(nn.Module):
         hidden = hidden[s : s + num_drafts]
         return self.propose_from(target, anchor, hidden, self.head(target, hidden), params)
 
-    def position_logits(self, target: Any, anchor: mx.array, cache: list[Any], width: int,
-                        num_positions: int) -> mx.array:
-        """Draft logits [K, V'] of the block's first K draft positions, each on its own (a
-        tree's candidates: tree.py)."""
+    def grow_tree(self, target: Any, anchor: mx.array, cache: list[Any], width: int,
+                  beam: int) -> tuple[mx.array, mx.array, mx.array]:
+        """A tree's candidate nodes below ``anchor`` (tree.grow_tree, lazy): the block pass
+        scores every position on its own, so each position's best candidates may follow any
+        node of the depth before."""
         s = self.first_draft_slot
         hidden = self.block_hidden(target, anchor, cache, self.block_width(width))
-        return self.head(target, hidden[s : s + num_positions])
+        logits = self.head(target, hidden[s : s + self.max_drafts])
+        return independent(logits, TREE_CANDIDATES, self.vocab_ids, beam)
 
     def propose_batch(
         self,

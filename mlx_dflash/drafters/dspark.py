@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..accept import CandidateProposal, SamplingParams, sampling_logits
+from ..tree import TREE_CANDIDATES, grow_tree, independent
 from .base import Proposal
 from .dflash import DFlashDraftModel
 from .layers import DraftArgs, config_field
@@ -280,6 +281,35 @@ class DSparkDraftModel(DFlashDraftModel):
             q = mx.put_along_axis(mx.zeros((K, target.vocab_size), dtype=q.dtype),
                                   mx.broadcast_to(vocab[None], q.shape), q, axis=-1)
         return Proposal(out, q, confidence)
+
+    def grow_tree(self, target: Any, anchor: mx.array, cache: list[Any], width: int,
+                  beam: int) -> tuple[mx.array, mx.array, mx.array]:
+        """A tree's candidate nodes below ``anchor`` (tree.grow_tree, lazy): each node's
+        children are slot d's ``walk_candidates`` best unary candidates, scored given the
+        node's token by the Markov head, as the walk scores them (an rnn head's state belongs
+        to one path: its slots are scored on their own)."""
+        K = self.max_drafts
+        hidden = self.block_hidden(target, anchor, cache, self.block_width(width))[:K]
+        unary = self.head(target, hidden)
+        if "markov_head" not in self or self.markov_head.kind == "rnn":
+            return independent(unary, TREE_CANDIDATES, self.vocab_ids, beam)
+        M = min(self.walk_candidates, unary.shape[-1])
+        cand = mx.argpartition(-unary, M - 1, axis=-1)[:, :M].astype(mx.int32)  # [K, M]
+        cand_unary = mx.take_along_axis(unary, cand, axis=-1)
+        w2 = self.markov_head.w2_rows(cand)  # [K, M, r]
+
+        def scored(d: int, prev: mx.array) -> mx.array:
+            """Logits [B, M] of slot d's candidates after each of B previous tokens."""
+            prev_emb = self.markov_head.markov_w1(prev)  # [B, r]
+            if self.markov_head.kind == "gated":
+                h = mx.broadcast_to(hidden[d], (prev.shape[0], hidden.shape[-1]))
+                gate = self.markov_head.gate_proj(mx.concatenate([h, prev_emb], axis=-1))
+                prev_emb = mx.sigmoid(gate) * prev_emb
+            return cand_unary[d] + prev_emb @ w2[d].T
+
+        ids = self.vocab_ids[cand] if self.vocab_ids is not None else cand
+        return grow_tree(scored(0, self.prev_rows(anchor))[0],
+                         lambda d, pick: scored(d, cand[d - 1][pick]), ids, beam)
 
     def calibrated(self, conf_logits: mx.array) -> mx.array:
         """sigmoid(logit_k / T_k + b_k) with the sequentially fitted temperatures and offsets
