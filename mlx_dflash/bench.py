@@ -16,6 +16,7 @@ import mlx.core as mx
 from .decode import stream_generate
 from .prompts import read_prompts
 from .target import as_target
+from .tree import AUTO, TREE_MAX
 
 
 def load_prompt_sets(files: list[str], limit: int | None) -> dict[str, list[str]]:
@@ -84,11 +85,12 @@ def run_bench(
     progress: bool = True,
     copy_drafts: bool = False,
     auto: bool = True,
-    trees: Sequence[int] = (),
+    trees: Sequence[int | str] = (),
 ) -> dict:
     """Per domain: plain decoding, then the drafter at each fixed block size (and with copy
     drafts when asked: variant "B+copy"), trees of each size in ``trees`` (variant "treeN",
-    no copy drafts), and the default settings (variant "auto": the scheduler, copy drafts as
+    no copy drafts; "auto": variant "tree-auto", sized per cycle, copy drafts on), and the
+    default settings (variant "auto": the scheduler, copy drafts as
     the package default), interleaved prompt by prompt."""
     from tqdm import tqdm
 
@@ -107,11 +109,16 @@ def run_bench(
         results["machine"]["blas"] = Path(provider).name if provider else "default"
     except Exception:  # noqa: BLE001 - informational only
         pass
-    cost = {B: measure_pass_costs(model, B) for B in [*block_sizes, *(n + 1 for n in trees)]}
+    fixed_trees = [n for n in trees if n != AUTO]
+    cost = {B: measure_pass_costs(model, B) for B in [*block_sizes,
+                                                      *(n + 1 for n in fixed_trees)]}
     results["verify_decode_cost"] = {str(B): c for B, c in cost.items()}
     results["settings"]["trees"] = list(trees)
     variants = {str(B): (B, {"block_size": B, "copy_drafts": False}) for B in block_sizes}
-    variants.update({f"tree{n}": (n + 1, {"tree": n, "copy_drafts": False}) for n in trees})
+    variants.update({f"tree{n}": (n + 1, {"tree": n, "copy_drafts": False})
+                     for n in fixed_trees})
+    if AUTO in trees:  # sized per cycle, with the package's defaults otherwise (as "auto")
+        variants["tree-auto"] = (TREE_MAX + 1, {"tree": AUTO})
     if copy_drafts:
         variants.update({f"{B}+copy": (B, {"block_size": B, "copy_drafts": True})
                          for B in block_sizes})
@@ -164,7 +171,8 @@ def run_bench(
                 "drafted_per_cycle": s["drafted"] / max(len(s["acc"]), 1),
                 "acceptance_by_position": [h / t if t else None
                                            for h, t in zip(s["pos_hits"], s["pos_tries"])],
-                "verify_decode_ratio": cost[B]["ratio"] if name != "auto" else None,
+                "verify_decode_ratio": cost[B]["ratio"] if B in cost and name[-4:] != "auto"
+                else None,
                 "outputs_differing_from_plain": s["mismatches"],
                 "copy_cycle_share": s["copy_cycles"] / max(len(s["acc"]), 1),  # n-gram too
                 "ngram_cycle_share": s["ngram_cycles"] / max(len(s["acc"]), 1),

@@ -162,15 +162,19 @@ class Speculator:
             mx.concatenate([anchor, proposal.drafts])[None], self.cache, self.layer_ids)
         return accepted_cycle(anchor, proposal, logits[0], features, self.params, source)
 
-    def tree_cycle(self, anchor: mx.array, size: int) -> TreeCycle:
-        """A cycle verifying a tree of ``size`` drafted nodes below ``anchor``, grown by the
-        drafter (its ``grow_tree``). The tree's shape is decided on the host, so building it
-        syncs once before the target pass (a chain cycle does not)."""
+    def tree_cycle(self, anchor: mx.array, size: int,
+                   sizer: Callable[[np.ndarray], int] | None = None) -> TreeCycle:
+        """A cycle verifying a tree of ``size`` drafted nodes below ``anchor`` (or the first
+        ``sizer(scores)`` of them), grown by the drafter (its ``grow_tree``). The tree's shape
+        is decided on the host, so building it syncs once before the target pass (a chain
+        cycle does not)."""
         self.catch_up()
         grown = self.drafter.grow_tree(self.target, anchor, self.draft_cache, self.width,
                                        TREE_BEAM)
         mx.eval(grown)
         tree = select_tree(*(np.array(a) for a in grown), size)
+        if sizer is not None:
+            tree = tree.first(sizer(np.array(tree.scores)))
         tokens = mx.concatenate([anchor, mx.array(tree.tokens, dtype=mx.uint32)])[None]
         logits, features = self.target.forward_tree(tokens, tree.depths(), tree.visible(),
                                                     self.cache, self.layer_ids)

@@ -25,6 +25,7 @@ from .pair_cache import PairCache, needs_checkpoints
 from .policy import COPY_DRAFTS, COPY_NGRAM, BlockPolicy
 from .prefix_cache import PrefixCache
 from .prompts import encode_prompt
+from .tree import AUTO, TREE_MAX
 from .target import Target, as_target
 
 
@@ -172,9 +173,9 @@ def _check_request(model: Any, drafter: Drafter | None, tokenizer: Any, max_toke
     return target, drafting(drafter, block_size, schedule), tokenizer, width
 
 
-def _check_tree(target: Target, drafter: Drafter | None, size: int) -> None:
-    if size < 1:
-        raise ValueError(f"tree must be >= 1 drafted nodes, got {size}")
+def _check_tree(target: Target, drafter: Drafter | None, size: int | str) -> None:
+    if size != AUTO and (not isinstance(size, int) or size < 1):
+        raise ValueError(f"tree must be a number of drafted nodes (>= 1) or 'auto', got {size!r}")
     if drafter is None or not hasattr(drafter, "grow_tree"):
         raise ValueError("tree drafts need a drafter that grows trees (DFlash, DFlash 2 or "
                          "DSpark)")
@@ -200,14 +201,15 @@ def stream_generate(
     copy_ngram: int = COPY_NGRAM,
     schedule: bool = True,
     prompt_cache: PairCache | None = None,
-    tree: int | None = None,
+    tree: int | str | None = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate from ``prompt`` with speculative decoding; yields one response per cycle.
 
     ``drafter=None``: the target alone. ``block_size`` fixes the most tokens a cycle verifies
     (else the scheduler chooses); ``copy_drafts``: blocks looked up from the context too.
     ``tree``: every drafter cycle verifies a tree of that many drafted nodes instead of a
-    chain (tree.py; targets whose layers are all full attention).
+    chain, or with ``"auto"`` as many of TREE_MAX as pay by the measured pass costs (tree.py;
+    targets whose layers are all full attention).
     ``prompt_cache`` (a :class:`PairCache` holding a proper prefix of the prompt) is continued
     from and holds the whole sequence at the end (``tokens`` None if closed early where the
     caches could not be cut back)."""
@@ -225,13 +227,16 @@ def stream_generate(
     with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream):
         # Before any clock starts: the scheduler's first use times the passes (then cached).
         policy = BlockPolicy.for_request(target, drafter, width, tokens,
-                                         block_size is None and schedule and not tree,
-                                         copy_drafts, copy_ngram)
+                                         block_size is None and schedule and tree in (None, AUTO),
+                                         copy_drafts, copy_ngram, size_trees=tree == AUTO)
         spec = Speculator(target, drafter, params, width, tokens, prompt_cache)
 
         def plan(anchor: mx.array, room: int, context: int, may_look_up: bool = True) -> Cycle:
             K, block, source = policy.choose(room, context, may_look_up)
             if tree and source == DRAFTER:
+                if tree == AUTO:
+                    return spec.tree_cycle(anchor, TREE_MAX,
+                                           lambda scores: policy.tree_sizer.choose(scores, context))
                 return spec.tree_cycle(anchor, tree)
             return spec.cycle(anchor, K, block, source)
 

@@ -16,6 +16,7 @@ from .lookup import CopyIndex
 from .ngram import NgramTable
 from .schedule import Scheduler, bytes_per_verified_token, cached_costs
 from .target import Target
+from .tree import TREE_MAX, TreeSizer
 
 # Copy drafts by default, looking up the last 4, 3, then 2 tokens: the rule measured best on
 # the eval files (docs/training.md).
@@ -26,26 +27,29 @@ COPY_LONGEST = 4
 
 class BlockPolicy:
     def __init__(self, width: int, copy_index: CopyIndex | None = None,
-                 ngram_table: NgramTable | None = None, scheduler: Scheduler | None = None):
+                 ngram_table: NgramTable | None = None, scheduler: Scheduler | None = None,
+                 tree_sizer: TreeSizer | None = None):
         self.width, self.copy_index = width, copy_index
         self.ngram_table, self.scheduler = ngram_table, scheduler
+        self.tree_sizer = tree_sizer  # trees sized per cycle (tree="auto")
 
     @classmethod
     def for_request(cls, target: Target, drafter: Drafter | None, width: int,
                     tokens: Sequence[int], schedule: bool, copy_drafts: bool = COPY_DRAFTS,
-                    copy_ngram: int = COPY_NGRAM) -> BlockPolicy:
+                    copy_ngram: int = COPY_NGRAM, size_trees: bool = False) -> BlockPolicy:
         """The policy for one request; with ``schedule``, the scheduler's pass costs are
-        measured on first use (then cached per model pair and machine)."""
+        measured on first use (then cached per model pair and machine); ``size_trees``: a
+        tree sizer too (its pass costs measured up to TREE_MAX + 1 tokens)."""
         if drafter is None:
             return cls(width)
-        scheduler = None
+        scheduler = sizer = None
         if schedule:
             scheduler = Scheduler(cached_costs(target, drafter, width), width - 1,
                                   bytes_per_verified_token(target))
-        if not copy_drafts:
-            return cls(width, scheduler=scheduler)
-        return cls(width, CopyIndex(list(tokens), copy_ngram, COPY_LONGEST), drafter.ngram,
-                   scheduler)
+        if size_trees:
+            sizer = TreeSizer(cached_costs(target, drafter, TREE_MAX + 1))
+        index = CopyIndex(list(tokens), copy_ngram, COPY_LONGEST) if copy_drafts else None
+        return cls(width, index, drafter.ngram if copy_drafts else None, scheduler, sizer)
 
     def choose(self, room: int, context: int, may_look_up: bool = True
                ) -> tuple[int, list[int], str]:
@@ -86,7 +90,13 @@ class BlockPolicy:
     def observe(self, cycle: Cycle, accepted: int) -> None:
         """What a cycle accepted (the scheduler's survival estimates for drafts, or for
         looked-up blocks, learn it)."""
-        if self.scheduler is None or cycle.source == TREE:
+        if cycle.source == TREE:
+            if self.tree_sizer is not None:
+                self.tree_sizer.observe(cycle.tree, cycle.kept[1:])
+            if self.scheduler is not None:  # it decides whether drafting pays: survival by depth
+                self.scheduler.observe(max(cycle.tree.depths()), accepted)
+            return
+        if self.scheduler is None:
             return
         if cycle.looked_up:
             self.scheduler.observe_lookup(cycle.num_drafts, accepted)

@@ -31,7 +31,7 @@ parent, the best ``N`` are a tree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -43,6 +43,9 @@ from .accept import SamplingParams, sampling_logits
 # own, and the paths each level keeps.
 TREE_CANDIDATES = 8
 TREE_BEAM = 4
+# tree="auto": each cycle grows TREE_MAX nodes and verifies as many as pay (TreeSizer).
+AUTO = "auto"
+TREE_MAX = 15
 
 
 @dataclass
@@ -79,6 +82,10 @@ class DraftTree:
         for i, (tok, p) in enumerate(zip(self.tokens, self.parents), start=1):
             out[p + 1].setdefault(tok, i)
         return out
+
+    def first(self, n: int) -> DraftTree:
+        """The first ``n`` nodes (a tree: parents come first)."""
+        return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n])
 
     def walk(self, choices: list[int]) -> tuple[list[int], int]:
         """(rows of the accepted nodes along the path, the token committed after them), given
@@ -155,3 +162,37 @@ def target_choices(logits: mx.array, params: SamplingParams) -> mx.array:
         return mx.argmax(logits, axis=-1).astype(mx.uint32)
     return mx.random.categorical(sampling_logits(logits, params),
                                  key=params.key()).astype(mx.uint32)
+
+
+class TreeSizer:
+    """How many of a grown tree's nodes a cycle verifies (``tree="auto"``): the ``n`` best with
+    the most expected committed tokens per second, ``(1 + sum of their survival) / (t_draft +
+    t_verify(1 + n))``, the pass times measured (``schedule.PassCosts``). A node's survival is
+    its drafter score calibrated by this request's verified trees: the share of nodes in its
+    score bucket that ended on the accepted path, the score itself weighing as a few nodes."""
+
+    EDGES = np.array([1e-3, 1e-2, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9])
+    PRIOR = 4.0  # the score counts as this many observed nodes
+
+    def __init__(self, costs: Any):
+        self.costs = costs
+        self.hits = np.zeros(len(self.EDGES) + 1)
+        self.tries = np.zeros(len(self.EDGES) + 1)
+
+    def survival(self, scores: np.ndarray) -> np.ndarray:
+        b = np.searchsorted(self.EDGES, scores)
+        return (self.hits[b] + self.PRIOR * scores) / (self.tries[b] + self.PRIOR)
+
+    def choose(self, scores: np.ndarray, context: int) -> int:
+        gain = np.cumsum(self.survival(np.asarray(scores)))
+        rates = [(1 + gain[n - 1]) / (self.costs.draft_s + self.costs.verify(n + 1, context))
+                 for n in range(1, len(gain) + 1)]
+        return 1 + int(np.argmax(rates)) if rates else 0
+
+    def observe(self, tree: DraftTree, accepted_rows: list[int]) -> None:
+        """A verified tree and the rows of its accepted path."""
+        on_path = np.zeros(len(tree), dtype=bool)
+        on_path[[r - 1 for r in accepted_rows]] = True
+        b = np.searchsorted(self.EDGES, np.asarray(tree.scores))
+        np.add.at(self.tries, b, 1)
+        np.add.at(self.hits, b, on_path)

@@ -123,7 +123,7 @@ class TreeOracle:
         return independent(mx.array(logits), TREE_CANDIDATES, None, beam)
 
 
-@pytest.mark.parametrize("size", [1, 3, 8, 20])
+@pytest.mark.parametrize("size", [1, 3, 8, 20, "auto"])
 def test_greedy_trees_equal_the_target_on_every_branch(size, monkeypatch):
     side_branches = []
     walk = DraftTree.walk
@@ -149,7 +149,7 @@ def test_greedy_trees_equal_the_target_on_every_branch(size, monkeypatch):
         trees = r.stats.tree_cycles
     assert out == want
     assert trees > 0 and accepted > 0
-    if size >= 3:
+    if size == "auto" or size >= 3:
         assert any(side_branches)
 
 
@@ -189,12 +189,13 @@ def test_every_drafter_family_grows_trees(family):
                                temperature=0.9)  # seeded: reproducible
 
 
-@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.8, 3)])
-def test_sampled_trees_follow_the_target(temperature, top_p, top_k):
+@pytest.mark.parametrize("temperature,top_p,top_k,tree", [(1.0, 1.0, 0, 5), (0.7, 0.8, 3, 5),
+                                                         (1.0, 1.0, 0, "auto")])
+def test_sampled_trees_follow_the_target(temperature, top_p, top_k, tree):
     model = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)
     drafter = make_drafter(model, block_size=4, layer_ids=(0, 1), mask_token_id=2, seed=7)
     joint, marginal4 = exact_joint(model, SamplingParams(temperature, top_p, top_k))
-    counts, counts4, accepted, _ = sample_runs(model, drafter, 99, tree=5,
+    counts, counts4, accepted, _ = sample_runs(model, drafter, 99, tree=tree,
                                                temperature=temperature, top_p=top_p,
                                                top_k=top_k)
     assert counts.sum() == N_SAMPLES
@@ -210,3 +211,24 @@ def test_targets_without_tree_passes_are_refused_clearly():
     model = make_target("qwen3")
     with pytest.raises(ValueError, match="drafter"):
         generate(model, None, make_tokenizer(128), [5, 6, 7], max_tokens=4, tree=4)
+
+
+def test_the_sizer_verifies_what_pays_and_learns_from_what_survives():
+    from dataclasses import replace
+
+    from test_schedule import COSTS
+
+    from mlx_dflash.tree import TreeSizer
+
+    scores = np.array([0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01])
+    flat = replace(COSTS, verify_s={c: [0.01] * len(COSTS.sizes) for c in COSTS.contexts})
+    steep = replace(COSTS, verify_s={c: [0.01 * n for n in COSTS.sizes] for c in COSTS.contexts})
+    assert TreeSizer(flat).choose(scores, 100) == len(scores)  # every node is free: all
+    assert TreeSizer(steep).choose(scores, 100) < 4  # every node costs a pass: the sure ones
+    sizer = TreeSizer(flat)
+    tree = DraftTree(tokens=list(range(10)), parents=[-1] + list(range(9)),
+                     scores=scores.tolist())
+    for _ in range(50):  # the best node survives, nothing else does
+        sizer.observe(tree, [1])
+    assert sizer.survival(np.array([0.8]))[0] > 0.95
+    assert sizer.survival(np.array([0.5]))[0] < 0.05

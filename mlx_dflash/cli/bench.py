@@ -28,8 +28,9 @@ def bench(
                               "drafts (variant 'B+copy')."),
     auto: bool = typer.Option(True, "--auto/--no-auto", help="Also run the default settings "
                               "(variant 'auto': scheduler + copy drafts)."),
-    tree: List[int] = typer.Option([], "--tree", min=1, help="Also run tree drafts of this "
-                                   "many nodes (variant 'treeN', no copy drafts); repeatable."),
+    tree: List[str] = typer.Option([], "--tree", help="Also run tree drafts of this many "
+                                   "nodes (variant 'treeN', no copy drafts), or 'auto' (variant "
+                                   "'tree-auto': sized per cycle, copy drafts on); repeatable."),
     concurrency: List[int] = typer.Option([], "--concurrency", "-c", min=1,
                                           help="Requests at once; repeatable. Instead of the "
                                           "single-request bench: groups of this many prompts "
@@ -57,6 +58,12 @@ def bench(
         sets = load_prompt_sets([str(f) for f in prompts], limit)
     except ValueError as e:
         fail(str(e))
+    try:
+        trees = [t if t == "auto" else int(t) for t in tree]
+    except ValueError:
+        fail(f"--tree takes a number of nodes or 'auto', got {tree}")
+    if any(t != "auto" and t < 1 for t in trees):
+        fail("--tree needs at least 1 node")
     target, draft, tokenizer = load_pair(model, resolve_drafter(drafter) if drafter else None)
     if draft is None:
         fail("bench needs a drafter (--drafter)")
@@ -65,7 +72,7 @@ def bench(
                                   block_size[0], stagger=stagger)
     else:
         results = run_bench(target, draft, tokenizer, sets, list(block_size), max_tokens,
-                            copy_drafts=copy, auto=auto, trees=list(tree))
+                            copy_drafts=copy, auto=auto, trees=trees)
     # Named as given (a shipped drafter by its name): no paths of this machine in the results.
     results["settings"]["drafter"] = drafter or DEFAULT_DRAFTER
     results["settings"]["model"] = model or "default (SmolLM2-135M-Instruct, float32)"

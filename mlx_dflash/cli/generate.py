@@ -26,9 +26,10 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", min=0),
     block_size: Optional[int] = typer.Option(None, "--block-size", "-b", min=1,
                                              help="Block size (default: the drafter's)."),
-    tree: Optional[int] = typer.Option(None, "--tree", min=1,
+    tree: Optional[str] = typer.Option(None, "--tree",
                                        help="Verify a tree of this many drafted nodes per "
-                                       "cycle instead of a chain (full-attention targets)."),
+                                       "cycle instead of a chain, or 'auto': as many as pay "
+                                       "(full-attention targets)."),
     seed: Optional[int] = typer.Option(None, "--seed"),
     no_chat_template: bool = typer.Option(False, "--no-chat-template",
                                           help="Send the prompt as raw text."),
@@ -44,6 +45,8 @@ def generate(
         fail("no prompt given (pass it as an argument or with --prompt)")
     if top_p == 0:
         fail("--top-p must be in (0, 1]")
+    if tree is not None and tree != "auto" and not (tree.isdigit() and int(tree) > 0):
+        fail(f"--tree takes a number of nodes (>= 1) or 'auto', got {tree!r}")
     import mlx.core as mx
 
     from ..decode import stream_generate
@@ -52,13 +55,18 @@ def generate(
     if seed is not None:
         mx.random.seed(seed)
     last, progress = None, PrefillProgress()
-    for last in stream_generate(
+    responses = stream_generate(
         target, draft, tokenizer, chat_prompt(tokenizer, text, not no_chat_template),
         max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k,
-        block_size=block_size, prompt_progress=progress, copy_drafts=copy, tree=tree,
-    ):
-        progress.clear()
-        print(last.text, end="", flush=True)
+        block_size=block_size, prompt_progress=progress, copy_drafts=copy,
+        tree=int(tree) if tree and tree != "auto" else tree,
+    )
+    try:
+        for last in responses:
+            progress.clear()
+            print(last.text, end="", flush=True)
+    except ValueError as e:  # a request the pair cannot serve (e.g. trees on a hybrid target)
+        fail(str(e))
     print()
     if last is not None:
         typer.secho(last.stats.summary(), fg=typer.colors.CYAN, err=True)
