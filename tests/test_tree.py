@@ -38,21 +38,24 @@ def test_the_tree_is_the_best_nodes_of_the_best_paths():
     assert all(s <= tree.scores[p] for s, p in zip(tree.scores, tree.parents) if p >= 0)
 
 
-def test_a_dspark_tree_of_one_path_is_its_greedy_walk():
-    """Each node's children are scored given its token by the Markov head: with one path per
-    level the tree is the Markov walk's greedy chain."""
+@pytest.mark.parametrize("family", ["dspark", "dflash2"])
+def test_a_tree_of_one_path_is_the_drafters_greedy_walk(family):
+    """Each node's children are scored given its token (DSpark: the Markov head; DFlash 2:
+    the selector's pair scores): with one path per level the tree is the walk's greedy chain."""
+    from test_dflash2 import make_dflash2
     from test_dspark import make_dspark
 
     from mlx_dflash.cycle import prefill
 
     model = make_target("qwen3", seed=2)
-    drafter = make_dspark(model)
+    drafter = make_dspark(model) if family == "dspark" else make_dflash2(model)
     target = Target(model)
     cache, dcache = target.make_cache(), drafter.make_cache()
     prefill(target, [5, 9, 14, 3], cache, drafter, dcache)
     anchor = mx.array([7], dtype=mx.uint32)
-    chain = drafter.propose(target, anchor, dcache, 5, drafter.max_drafts, SamplingParams())
-    grown = drafter.grow_tree(target, anchor, dcache, 5, beam=1)
+    width = drafter.block_size
+    chain = drafter.propose(target, anchor, dcache, width, drafter.max_drafts, SamplingParams())
+    grown = drafter.grow_tree(target, anchor, dcache, width, beam=1)
     assert np.array(grown[0]).tolist() == np.array(chain.drafts).tolist()
     assert np.array(grown[1]).tolist() == [-1] + list(range(drafter.max_drafts - 1))
 

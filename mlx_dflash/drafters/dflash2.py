@@ -23,6 +23,7 @@ import numpy as np
 
 from ..accept import CandidateProposal, SamplingParams
 from ..kernels import path_select
+from ..tree import grow_tree
 from .base import Proposal
 from .dflash import DFlashDraftModel
 from .layers import DraftArgs, DraftLayer, config_field
@@ -209,6 +210,20 @@ class DFlash2DraftModel(DFlashDraftModel):
         drafts = (vocab[idx] if vocab is not None else idx).astype(mx.uint32)
         return Proposal(drafts,
                         None if q is None else CandidateProposal(cand_ids.astype(mx.uint32), q))
+
+    def grow_tree(self, target: Any, anchor: mx.array, cache: list[Any], width: int,
+                  beam: int) -> tuple[mx.array, mx.array, mx.array]:
+        """A tree's candidate nodes below ``anchor`` (tree.grow_tree, lazy): each node's
+        children are the next position's K candidates, scored given the node's candidate by
+        the selector's pair scores (the lattice its walk reads)."""
+        s = self.first_draft_slot
+        hidden = self.block_hidden(target, anchor, cache, self.block_width(width))
+        hidden = hidden[s : s + self.max_drafts]
+        sel = self.candidate_selector
+        cand, unary_k = sel.candidates(self.head(target, hidden).astype(mx.float32))
+        first, rest = sel.lattice(cand, unary_k, hidden, self.prev_rows(anchor)[0])
+        ids = self.vocab_ids[cand] if self.vocab_ids is not None else cand
+        return grow_tree(first, lambda d, pick: rest[d - 1][pick], ids, beam)
 
     def train_logits(self, target: Any, features, blocks, anchors, prev):
         """(draft logits [N, n, V'], (selector scores [N, n, K], candidates [N, n, K])) of
