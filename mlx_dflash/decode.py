@@ -179,9 +179,10 @@ def _check_tree(target: Target, drafter: Drafter | None, size: int | str) -> Non
     if drafter is None or not hasattr(drafter, "grow_tree"):
         raise ValueError("tree drafts need a drafter that grows trees (DFlash, DFlash 2 or "
                          "DSpark)")
-    if not target.tree_ready:
+    reason = target.why_no_trees()
+    if reason is not None:
         raise ValueError(f"tree drafts need a target whose layers are all full attention with "
-                         f"plain KV caches; model type '{target.model_type}' is not one")
+                         f"plain KV caches; model type '{target.model_type}': {reason}")
 
 
 def stream_generate(
