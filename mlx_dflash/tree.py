@@ -22,10 +22,10 @@ in all, and the residual is ``p`` outside the children: the same distribution.
 scores ``M`` candidates at each of its ``K`` block positions; the anchor's children are position
 0's, and a node at depth ``d`` is followed by position ``d``'s candidates, scored given the
 node's token where the drafter conditions on it (DSpark's Markov head, DFlash 2's pair scores)
-and alike under every parent where it does not (DFlash's block pass proposes all positions at once). Each level keeps
-the ``beam`` best paths by path probability. :func:`select_tree` then takes the ``N`` best
-nodes of all levels (a dynamic tree, as EAGLE-2's): since a child never scores above its
-parent, the best ``N`` are a tree.
+and alike under every parent where it does not (DFlash's block pass proposes all positions at
+once). Each level keeps the ``beam`` best paths by path probability. :func:`select_tree` then
+takes the ``N`` best nodes of all levels (a dynamic tree, as EAGLE-2's): since a child never
+scores above its parent, the best ``N`` are a tree.
 """
 
 from __future__ import annotations
