@@ -3,15 +3,20 @@
 // This text is the start of each kernel's `header` for mx.fast.metal_kernel (after MLX's own
 // preamble, which brings in metal_stdlib and `using namespace metal`). The test harness compiles
 // the same text as C++ after metal_kernels/harness/metal_shim.h; so kernels spell Metal names
-// with their namespace (metal::simd_sum), and declare threadgroup arrays with
-// DFLASH_THREADGROUP, which the harness turns into storage its emulated threads share.
+// with their namespace (metal::simd_sum), declare threadgroup arrays with
+// DFLASH_THREADGROUP(T, name, n) and pass them as tg_ptr<T>: the harness turns these into
+// storage its emulated threads share, accessed through a type it instruments.
 //
 // Every kernel runs one threadgroup per row, with a multiple of 32 threads (whole simdgroups).
 #ifndef DFLASH_COMMON_H
 #define DFLASH_COMMON_H
 
 #ifndef DFLASH_THREADGROUP
-#define DFLASH_THREADGROUP threadgroup
+#define DFLASH_THREADGROUP(T, name, n) threadgroup T name[n]
+#endif
+#ifndef DFLASH_HARNESS
+template <typename T>
+using tg_ptr = threadgroup T*;
 #endif
 
 // An index no element has: the identity of a min over ids.
@@ -50,7 +55,7 @@ inline Chunk chunk_of(uint n, Layout tg) {
 
 // The maximum is taken by every thread from the same partials in the same order (as the
 // sum below), so every thread holds the same float.
-inline float threadgroup_max(float v, Layout tg, threadgroup float* partials) {
+inline float threadgroup_max(float v, Layout tg, tg_ptr<float> partials) {
   v = metal::simd_max(v);
   if (tg.lane == 0) {
     partials[tg.simd_group] = v;
@@ -65,7 +70,7 @@ inline float threadgroup_max(float v, Layout tg, threadgroup float* partials) {
 }
 
 // A simd_sum of the partials per simdgroup need not give every simdgroup the same float.
-inline float threadgroup_sum(float v, Layout tg, threadgroup float* partials) {
+inline float threadgroup_sum(float v, Layout tg, tg_ptr<float> partials) {
   v = metal::simd_sum(v);
   if (tg.lane == 0) {
     partials[tg.simd_group] = v;
@@ -79,7 +84,7 @@ inline float threadgroup_sum(float v, Layout tg, threadgroup float* partials) {
   return total;
 }
 
-inline uint threadgroup_min(uint v, Layout tg, threadgroup uint* partials) {
+inline uint threadgroup_min(uint v, Layout tg, tg_ptr<uint> partials) {
   v = metal::simd_min(v);
   if (tg.lane == 0) {
     partials[tg.simd_group] = v;
@@ -90,7 +95,7 @@ inline uint threadgroup_min(uint v, Layout tg, threadgroup uint* partials) {
   return v;
 }
 
-inline uint threadgroup_max(uint v, Layout tg, threadgroup uint* partials) {
+inline uint threadgroup_max(uint v, Layout tg, tg_ptr<uint> partials) {
   v = metal::simd_max(v);
   if (tg.lane == 0) {
     partials[tg.simd_group] = v;
@@ -116,8 +121,8 @@ inline uint order_key(float v) {
 // best (key, id), (0, kNoIndex) when it saw nothing. Integer keys: every simdgroup reduces the
 // partials to the same id, so the threads that branch on it agree (a float max need not, and
 // NaN has no order).
-inline uint threadgroup_argmax(uint best_key, uint best_id, Layout tg, threadgroup uint* keys,
-                               threadgroup uint* ids) {
+inline uint threadgroup_argmax(uint best_key, uint best_id, Layout tg, tg_ptr<uint> keys,
+                               tg_ptr<uint> ids) {
   uint top = metal::simd_max(best_key);
   uint id = metal::simd_min(best_key == top ? best_id : kNoIndex);
   if (tg.lane == 0) {
@@ -135,7 +140,7 @@ inline uint threadgroup_argmax(uint best_key, uint best_id, Layout tg, threadgro
 
 // A decision thread 0 makes, shared with the whole threadgroup: the threads branch on it, and
 // a barrier that only some threads reach hangs the GPU.
-inline bool threadgroup_decide(bool decision, Layout tg, threadgroup uint* shared) {
+inline bool threadgroup_decide(bool decision, Layout tg, tg_ptr<uint> shared) {
   if (tg.tid == 0) {
     *shared = decision ? 1u : 0u;
   }
@@ -153,7 +158,7 @@ struct Scan {
 };
 
 template <typename T>
-inline Scan<T> threadgroup_scan(T v, Layout tg, threadgroup T* partials) {
+inline Scan<T> threadgroup_scan(T v, Layout tg, tg_ptr<T> partials) {
   T before = metal::simd_prefix_exclusive_sum(v);
   if (tg.lane == 31) {
     partials[tg.simd_group] = before + v;

@@ -34,7 +34,7 @@ struct KthKey {
 // chosen so far, per next digit, and keeps the digit where the k-th largest falls.
 template <typename Ptr>
 inline KthKey kth_largest_key(Ptr x, uint vocab, uint k, Layout tg,
-                              threadgroup metal::atomic_uint* histogram) {
+                              tg_ptr<metal::atomic_uint> histogram) {
   uint prefix = 0;
   uint remaining = k;
   for (int shift = 28; shift >= 0; shift -= 4) {
@@ -71,8 +71,8 @@ inline KthKey kth_largest_key(Ptr x, uint vocab, uint k, Layout tg,
 
 template <typename Ptr>
 inline Filter top_k_filter(Ptr x, uint vocab, uint top_k, Layout tg,
-                           threadgroup metal::atomic_uint* histogram,
-                           threadgroup uint* partials, threadgroup uint* shared_id) {
+                           tg_ptr<metal::atomic_uint> histogram,
+                           tg_ptr<uint> partials, tg_ptr<uint> shared_id) {
   Filter f{false, 0u, 0u};
   if (top_k == 0 || top_k >= vocab) {
     return f;
@@ -112,7 +112,7 @@ struct Softmax {
 
 template <typename Ptr>
 inline Softmax softmax_stats(Ptr x, uint vocab, float scale, Filter f, Layout tg,
-                             threadgroup float* partials) {
+                             tg_ptr<float> partials) {
   // Strided (coalesced) reads: neither pass depends on the order of the tokens.
   float m = -INFINITY;
   for (uint i = tg.tid; i < vocab; i += tg.n_threads) {
@@ -149,8 +149,8 @@ inline float residual_weight(Ptr x, uint i, Softmax sm, Filter f, thread const R
 
 template <typename Ptr, typename RowQ>
 inline uint sample_residual(Ptr x, uint vocab, Softmax sm, Filter f, thread const RowQ& q,
-                            float u, Layout tg, threadgroup float* f_partials,
-                            threadgroup uint* u_partials) {
+                            float u, Layout tg, tg_ptr<float> f_partials,
+                            tg_ptr<uint> u_partials) {
   Chunk c = chunk_of(vocab, tg);
   bool of_p = false;
   float mass = 0.0f;

@@ -4,8 +4,8 @@
 // with the draft.
 // The first mismatch ends the row and its argmax is the token to emit; after L matches the
 // argmax of position L is (the bonus). Positions after the first mismatch are never read.
-DFLASH_THREADGROUP uint key_partials[kMaxSimdgroups];
-DFLASH_THREADGROUP uint id_partials[kMaxSimdgroups];
+DFLASH_THREADGROUP(uint, key_partials, kMaxSimdgroups);
+DFLASH_THREADGROUP(uint, id_partials, kMaxSimdgroups);
 
 const Layout tg = make_layout(thread_index_in_threadgroup, threads_per_threadgroup.x,
                               thread_index_in_simdgroup, simdgroup_index_in_threadgroup);

@@ -19,7 +19,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +61,32 @@ TYPES = {
 def compiler() -> str | None:
     """The C++ compiler to use ($CXX, else g++ or c++ on PATH), or None."""
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def clang() -> str | None:
+    """clang++ for the address-space mode ($CLANGXX, else clang++ on PATH), or None."""
+    return os.environ.get("CLANGXX") or shutil.which("clang++")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How strictly a launch emulates the GPU (metal_kernels/harness/metal_shim.h). The first
+    four are chosen per launch (one compiled library runs them all); address_spaces compiles
+    another library, with clang."""
+
+    garbage: bool = True  # threadgroup memory starts as NaN floats / 0xA5 bytes, not zeros
+    switch_on_shared: bool = False  # fibers may switch at every threadgroup-memory access
+    check_sites: bool = True  # lanes in one collective must call it from the same line
+    os_threads: bool = False  # one std::thread per GPU thread, real barriers and atomics
+    address_spaces: bool = False  # device/constant/threadgroup distinct types (clang)
+
+    @property
+    def flags(self) -> int:
+        return (self.garbage * 1 | self.switch_on_shared * 2 | self.check_sites * 4
+                | self.os_threads * 8)
+
+
+STRICT = Mode(switch_on_shared=True)  # with the shuffled order: the most interleavings
 
 
 def cache_dir() -> Path:
@@ -115,17 +141,17 @@ def translation_unit(spec: KernelSpec, inputs: list[Arg], output_dtypes: list[st
         slot = len(calls)
         if arg.array.ndim == 0:
             params.append(f"const constant {ctype}& {name}")
-            calls.append(f"*static_cast<const {ctype}*>(args[{slot}])")
+            calls.append(f"*(const constant {ctype}*)args[{slot}]")
         else:
             params.append(f"const device {ctype}* {name}")
-            calls.append(f"static_cast<const {ctype}*>(args[{slot}])")
+            calls.append(f"(const device {ctype}*)args[{slot}]")
             if f"{name}_shape" in source:
                 params.append(f"const constant int* {name}_shape")
-                calls.append(f"static_cast<const int*>(args[{slot + 1}])")
+                calls.append(f"(const constant int*)args[{slot + 1}]")
     for name, dtype in zip(spec.output_names, output_dtypes):
         ctype = TYPES[dtype][0]
         params.append(f"device {ctype}* {name}")
-        calls.append(f"static_cast<{ctype}*>(args[{len(calls)}])")
+        calls.append(f"(device {ctype}*)args[{len(calls)}]")
     for name, ctype in ATTRIBUTES.items():
         if name in source:
             params.append(f"{ctype} {name}")
@@ -147,11 +173,14 @@ def translation_unit(spec: KernelSpec, inputs: list[Arg], output_dtypes: list[st
 _LIBRARIES: dict[str, ctypes.CDLL] = {}
 
 
-def build(text: str) -> ctypes.CDLL:
-    """Compile a translation unit once (per text, shim and compiler) and load it."""
-    cxx = compiler()
+def build(text: str, address_spaces: bool = False) -> ctypes.CDLL:
+    """Compile a translation unit once (per text, shim and compiler) and load it; with
+    address_spaces, by clang with Metal's address spaces as distinct types."""
+    cxx = clang() if address_spaces else compiler()
     if cxx is None:
-        raise RuntimeError("no C++ compiler")
+        raise RuntimeError("no clang++" if address_spaces else "no C++ compiler")
+    if address_spaces:
+        text = "#define DFLASH_HARNESS_ADDRESS_SPACES 1\n" + text
     key = hashlib.sha256("\0".join([text, SHIM.read_text(), cxx, *CXXFLAGS]).encode())
     key = key.hexdigest()[:24]
     if key in _LIBRARIES:
@@ -171,8 +200,8 @@ def build(text: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library))
     lib.harness_launch.restype = ctypes.c_int
     lib.harness_launch.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint, ctypes.c_uint,
-                                   ctypes.c_int, ctypes.c_ulonglong, ctypes.c_char_p,
-                                   ctypes.c_int]
+                                   ctypes.c_int, ctypes.c_ulonglong, ctypes.c_int,
+                                   ctypes.c_char_p, ctypes.c_int]
     _LIBRARIES[key] = lib
     return lib
 
@@ -185,7 +214,7 @@ def launch(spec: KernelSpec, inputs: list[Arg], output_shapes: list[tuple[int, .
            output_dtypes: list[str], grid: int, threadgroup: int,
            template: list[tuple[str, object]] | None = None, order: str = "forward",
            seed: int = 0, source: str | None = None, header: str | None = None,
-           defines: dict[str, object] | None = None) -> list[np.ndarray]:
+           defines: dict[str, object] | None = None, mode: Mode = Mode()) -> list[np.ndarray]:
     """Run the kernel like mx.fast.metal_kernel(...)(inputs=..., grid=(grid, 1, 1),
     threadgroup=(threadgroup, 1, 1), ...). source / header replace the spec's text (to test
     the harness on a broken copy); defines are macros set before the shim (its modes, e.g.
@@ -193,7 +222,7 @@ def launch(spec: KernelSpec, inputs: list[Arg], output_shapes: list[tuple[int, .
     source = spec.source() if source is None else source
     header = spec.header() if header is None else header
     lib = build(translation_unit(spec, inputs, output_dtypes, template or [], source, header,
-                                 defines))
+                                 defines), mode.address_spaces)
     keep = []
     for name, arg in zip(spec.input_names, inputs):
         keep.append(arg.array)
@@ -201,7 +230,7 @@ def launch(spec: KernelSpec, inputs: list[Arg], output_shapes: list[tuple[int, .
             keep.append(np.array(arg.array.shape, dtype=np.int32))
     outputs = [_poisoned(shape, TYPES[dtype][1])
                for shape, dtype in zip(output_shapes, output_dtypes)]
-    return _run(lib, keep + outputs, outputs, grid, threadgroup, order, seed)
+    return _run(lib, keep + outputs, outputs, grid, threadgroup, order, seed, mode)
 
 
 def _poisoned(shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -390,8 +419,9 @@ def generated_unit(gen: Generated, defines: dict[str, object] | None = None) -> 
 def _launcher(call: str, args: list[str]) -> list[str]:
     return [
         'extern "C" int harness_launch(void** args, unsigned grid, unsigned group, int order,',
-        "                              unsigned long long seed, char* error, int error_len) {",
-        "  std::string e = harness::launch(grid, group, harness::Order(order), seed,",
+        "                              unsigned long long seed, int flags, char* error,",
+        "                              int error_len) {",
+        "  std::string e = harness::launch(grid, group, harness::Order(order), seed, flags,",
         "      [&](const harness::ThreadIds& ids) {",
         f"        {call}(" + ", ".join(args) + ");",
         "      });",
@@ -403,13 +433,16 @@ def _launcher(call: str, args: list[str]) -> list[str]:
 
 
 def launch_generated(gen: Generated, order: str = "forward", seed: int = 0,
-                     defines: dict[str, object] | None = None) -> list[np.ndarray]:
+                     defines: dict[str, object] | None = None, mode: Mode = Mode(),
+                     text: str | None = None) -> list[np.ndarray]:
     """Run a captured launch: the wrapper's inputs, grid and threadgroup; outputs (in the
-    spec's order) start as 0xFF bytes."""
+    spec's order) start as 0xFF bytes. text replaces the generated source (a broken copy)."""
     (gx, gy, gz), (tx, ty, tz) = gen.grid, gen.threadgroup
     if (gy, gz, ty, tz) != (1, 1, 1, 1) or gx % tx:
         raise NotImplementedError(f"a 1-D launch only: grid {gen.grid}, group {gen.threadgroup}")
-    lib = build(generated_unit(gen, defines))
+    if text is not None:
+        gen = replace(gen, text=text)
+    lib = build(generated_unit(gen, defines), mode.address_spaces)
     outputs = [_poisoned(shape, TYPES[dtype][1])
                for shape, dtype in zip(gen.output_shapes, gen.output_dtypes)]
     by_name = dict(zip(gen.spec.output_names, outputs))
@@ -425,13 +458,13 @@ def launch_generated(gen: Generated, order: str = "forward", seed: int = 0,
             buffers.append(np.array(gen.inputs[p.name[:-6]].shape, dtype=np.int32))
         else:
             raise NotImplementedError(f"no binding for parameter {p.type} {p.name}")
-    return _run(lib, buffers, outputs, gx, tx, order, seed)
+    return _run(lib, buffers, outputs, gx, tx, order, seed, mode)
 
 
-def _run(lib, buffers, outputs, grid, group, order, seed):
+def _run(lib, buffers, outputs, grid, group, order, seed, mode):
     pointers = (ctypes.c_void_p * len(buffers))(*[a.ctypes.data for a in buffers])
     error = ctypes.create_string_buffer(1024)
-    rc = lib.harness_launch(pointers, grid, group, ORDERS[order], seed, error, 1024)
+    rc = lib.harness_launch(pointers, grid, group, ORDERS[order], seed, mode.flags, error, 1024)
     if rc:
         raise KernelError(error.value.decode())
     return outputs
