@@ -1,13 +1,14 @@
 """Run the Metal kernels of mlx_dflash.kernels as C++ on a machine without Metal.
 
-For a KernelSpec this writes the function mx.fast.metal_kernel would generate (MLX's
-signature rules: each input as ``const device T*``, a 0-d input as ``const constant T&``,
-``<name>_shape`` when the body mentions it, outputs as ``device T*``, then every thread
-attribute whose name the body mentions), with the kernel's own header and body text
-unchanged, after metal_kernels/harness/metal_shim.h, which stands in for the Metal built-ins
-and runs a threadgroup's threads as fibers (see the shim for how threads and barriers are
-emulated). It compiles that with g++ into a shared library (cached by a hash of everything
-that goes into it) and launches it through ctypes on numpy arrays.
+Two ways in: ``capture`` / ``launch_generated`` take the Metal source MLX generates for a real
+wrapper's launch (printed by mx.export_function with kernels.PRINT_SOURCE on) and run it with
+the wrapper's own inputs, grid and threadgroup; ``launch`` writes the function
+mx.fast.metal_kernel would generate for a KernelSpec (MLX's signature rules), for random shapes
+and broken copies of the sources. Either text is compiled after
+metal_kernels/harness/metal_shim.h, which stands in for the Metal built-ins and runs a
+threadgroup's threads as fibers or OS threads (``Mode``: see the shim), with g++ (clang for
+the address-space mode) into a shared library cached by a hash of everything that goes into
+it, and launched through ctypes on numpy arrays.
 """
 
 from __future__ import annotations
