@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from mlx_dflash.kernels import KERNEL_DIR, KernelSpec
 
@@ -88,6 +89,11 @@ class Mode:
 
 
 STRICT = Mode(switch_on_shared=True)  # with the shuffled order: the most interleavings
+
+
+# For test modules that build kernels: skip them where there is no compiler.
+needs_compiler = pytest.mark.skipif(
+    compiler() is None, reason="no C++ compiler (g++, c++ or $CXX) to build the kernel harness")
 
 
 def cache_dir() -> Path:

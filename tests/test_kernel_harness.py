@@ -19,7 +19,7 @@ metal_kernels/harness/metal_shim.h).
 import mlx.core as mx
 import numpy as np
 import pytest
-from kernel_harness import Arg, KernelError, compiler, launch, remove_nth
+from kernel_harness import Arg, KernelError, launch, needs_compiler, remove_nth
 
 from mlx_dflash import kernels
 from mlx_dflash.kernels import (
@@ -31,8 +31,7 @@ from mlx_dflash.kernels import (
     KernelSpec,
 )
 
-pytestmark = pytest.mark.skipif(
-    compiler() is None, reason="no C++ compiler (g++, c++ or $CXX) to build the kernel harness")
+pytestmark = needs_compiler
 
 ACCEPT_TOL = 2e-5  # relative, on u * q against p
 CDF_TOL = 3e-6  # absolute, on the inverse-CDF target over a total mass of 1

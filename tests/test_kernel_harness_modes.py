@@ -16,7 +16,7 @@ harness lets pass, while the real kernels pass under it.
 import mlx.core as mx
 import numpy as np
 import pytest
-from kernel_harness import STRICT, Arg, KernelError, Mode, clang, compiler, launch
+from kernel_harness import Arg, KernelError, Mode, STRICT, clang, launch, needs_compiler
 
 from mlx_dflash import kernels
 from mlx_dflash.kernels import (
@@ -27,8 +27,7 @@ from mlx_dflash.kernels import (
     KernelSpec,
 )
 
-pytestmark = pytest.mark.skipif(
-    compiler() is None, reason="no C++ compiler (g++, c++ or $CXX) to build the kernel harness")
+pytestmark = needs_compiler
 
 PLAIN = Mode(garbage=False, check_sites=False)  # the harness before these modes
 THREADS = 128

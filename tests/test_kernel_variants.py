@@ -9,12 +9,11 @@ instantiation) and the wrappers' launch arithmetic, for block lengths 0 to 15.""
 import mlx.core as mx
 import numpy as np
 import pytest
-from kernel_harness import STRICT, Mode, capture, clang, compiler, launch_generated
+from kernel_harness import Mode, STRICT, capture, clang, launch_generated, needs_compiler
 
 from mlx_dflash import kernel_check
 
-pytestmark = pytest.mark.skipif(
-    compiler() is None, reason="no C++ compiler (g++, c++ or $CXX) to build the kernel harness")
+pytestmark = needs_compiler
 
 LENGTHS = (1, 3, 7, 15)  # drafts (path_select: steps - 1); variants without drafts: 0
 VOCAB = 4096  # threads follow V (kernels.row_threads): 512 here, as at V >= 4096
