@@ -3,7 +3,7 @@ twin, and timed against it. Run once on a Mac and send the JSON back.
 
     python scripts/bench_kernels.py --json kernels_mac.json
 
-For each variant (mlx_dflash.kernel_check.decode_variants: each step with and without drafts,
+For each variant (mlx_dflash.kernels.decode_variants: each step with and without drafts,
 logits in float32 / bfloat16 / float16, K = 1 and 16 candidates, the walk greedy and sampled)
 and each block length (1, 3, 7, 15 drafts; top-k 0 and 50 for the sampled steps), on a
 vocabulary of V: whether the kernel compiles and runs, whether its outputs equal the MLX
@@ -24,7 +24,7 @@ import mlx_dflash  # noqa: F401  (loads the fast BLAS before mlx)
 import mlx.core as mx
 
 from mlx_dflash import kernels
-from mlx_dflash.kernel_check import decode_variants, disagreement, example, run
+from mlx_dflash.kernels import decode_variants, disagreement, example, run
 
 BLOCKS = (1, 3, 7, 15)
 

@@ -1,4 +1,4 @@
-"""The Metal kernels' first-use check (mlx_dflash.kernel_check): with Metal reported available
+"""The Metal kernels' first-use check (kernels.check): with Metal reported available
 here, where no kernel can compile, generation falls back to the MLX path with one warning and
 the same output; a kernel that runs but disagrees falls back too; each kernel keeps one
 signature whatever the block length (no recompiles while decoding)."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tiny import make_drafter, make_target, make_tokenizer
 
-from mlx_dflash import generate, kernel_check, kernels
+from mlx_dflash import generate, kernels
 from mlx_dflash.kernels import Variant
 
 
@@ -83,12 +83,12 @@ def test_a_checked_variant_is_checked_once(metal_reported, monkeypatch):
     assert kernels.backend() == "metal"
 
 
-@pytest.mark.parametrize("variant", kernel_check.decode_variants(), ids=str)
+@pytest.mark.parametrize("variant", kernels.decode_variants(), ids=str)
 def test_the_check_inputs_have_clear_margins(variant):
     """The MLX twin gives the designed answer on each check input, and still does with the
     uniforms moved by 0.2: no rounding can decide the check."""
-    args = kernel_check.example(variant, vocab=256)
-    want = kernel_check.run(variant, args, metal=False)
+    args = kernels.example(variant, vocab=256)
+    want = kernels.run(variant, args, metal=False)
     if variant.step == "path_select":
         n = 1 + args["rest"].shape[1]
         expected = [3 % variant.candidates]
@@ -103,7 +103,7 @@ def test_the_check_inputs_have_clear_margins(variant):
     if "uniforms" in args:
         for shift in (-0.2, 0.2):
             moved = dict(args, uniforms=args["uniforms"] + shift)
-            out = kernel_check.run(variant, moved, metal=False)
+            out = kernels.run(variant, moved, metal=False)
             assert [o.tolist() for o in out[:2] if o.dtype == mx.uint32] == \
                 [w.tolist() for w in want[:2] if w.dtype == mx.uint32]
 

@@ -1,8 +1,8 @@
-"""Every kernel variant the decode loop can launch (kernel_check.decode_variants()), through the
+"""Every kernel variant the decode loop can launch (kernels.decode_variants()), through the
 real Metal wrappers of mlx_dflash.kernels: MLX generates each launch's Metal source (printed by
 mx.export_function with kernels.PRINT_SOURCE on), the harness compiles that text as C++ and
 runs it with the wrapper's own inputs (padded, dummies), grid and threadgroup, and the outputs
-must equal the MLX twin's (kernel_check.run(..., metal=False)). What this adds to
+must equal the MLX twin's (kernels.run(..., metal=False)). What this adds to
 test_kernel_harness.py: MLX's real signature (parameter names, dtypes, address spaces, template
 instantiation) and the wrappers' launch arithmetic, for block lengths 0 to 15."""
 
@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from kernel_harness import Mode, STRICT, capture, clang, launch_generated, needs_compiler
 
-from mlx_dflash import kernel_check
+from mlx_dflash import kernels
 
 pytestmark = needs_compiler
 
 LENGTHS = (1, 3, 7, 15)  # drafts (path_select: steps - 1); variants without drafts: 0
 VOCAB = 4096  # threads follow V (kernels.row_threads): 512 here, as at V >= 4096
-VARIANTS = kernel_check.decode_variants()
+VARIANTS = kernels.decode_variants()
 
 
 def lengths(variant):
@@ -30,12 +30,12 @@ def top_ks(variant):
 
 def run_variant(variant, L, top_k, order="forward"):
     """(the captured launch, the harness's outputs, the MLX twin's outputs)."""
-    args = kernel_check.example(variant, drafts=L, vocab=VOCAB, seed=L)
+    args = kernels.example(variant, drafts=L, vocab=VOCAB, seed=L)
     if top_k is not None:
         args["top_k"] = top_k
-    (gen,) = capture(lambda: kernel_check.run(variant, args, metal=True))
+    (gen,) = capture(lambda: kernels.run(variant, args, metal=True))
     got = launch_generated(gen, order=order)
-    want = [np.array(a) for a in kernel_check.run(variant, args, metal=False)]
+    want = [np.array(a) for a in kernels.run(variant, args, metal=False)]
     return gen, got, want
 
 
@@ -75,8 +75,8 @@ def test_one_signature_with_and_without_drafts():
     the one with drafts: MLX compiles no second pipeline when a block comes up empty."""
     by_key = {}
     for variant in VARIANTS:
-        args = kernel_check.example(variant, drafts=3 if variant.drafted else 0, vocab=VOCAB)
-        (gen,) = capture(lambda: kernel_check.run(variant, args, metal=True))  # noqa: B023
+        args = kernels.example(variant, drafts=3 if variant.drafted else 0, vocab=VOCAB)
+        (gen,) = capture(lambda: kernels.run(variant, args, metal=True))  # noqa: B023
         by_key.setdefault(signature_key(variant), set()).add(gen.signature)
     assert all(len(s) == 1 for s in by_key.values()), by_key
 
@@ -88,9 +88,9 @@ def test_generated_kernels_under_the_strict_schedule():
              and v.step != "path_select"] + [v for v in VARIANTS if v.step == "path_select"
                                                and v.sampled and v.drafted]
     for variant in picks:
-        args = kernel_check.example(variant, drafts=7, vocab=VOCAB)
-        (gen,) = capture(lambda: kernel_check.run(variant, args, metal=True))  # noqa: B023
-        want = [np.array(a) for a in kernel_check.run(variant, args, metal=False)]
+        args = kernels.example(variant, drafts=7, vocab=VOCAB)
+        (gen,) = capture(lambda: kernels.run(variant, args, metal=True))  # noqa: B023
+        want = [np.array(a) for a in kernels.run(variant, args, metal=False)]
         for seed in range(2):
             assert_same(launch_generated(gen, order="shuffled", seed=seed, mode=STRICT), want,
                         str(variant))
@@ -105,9 +105,9 @@ def test_generated_kernels_with_address_spaces(variant):
     for L in (0, 3) if variant.drafted else (0,):
         if variant.drafted and not L:
             continue
-        args = kernel_check.example(variant, drafts=L, vocab=VOCAB)
-        (gen,) = capture(lambda: kernel_check.run(variant, args, metal=True))  # noqa: B023
-        want = [np.array(a) for a in kernel_check.run(variant, args, metal=False)]
+        args = kernels.example(variant, drafts=L, vocab=VOCAB)
+        (gen,) = capture(lambda: kernels.run(variant, args, metal=True))  # noqa: B023
+        want = [np.array(a) for a in kernels.run(variant, args, metal=False)]
         assert_same(launch_generated(gen, mode=Mode(address_spaces=True)), want, str(variant))
 
 
@@ -120,9 +120,9 @@ def test_generated_kernels_on_os_threads():
                 or key in seen:
             continue
         seen.add(key)
-        args = kernel_check.example(variant, drafts=3, vocab=2048)
-        (gen,) = capture(lambda: kernel_check.run(variant, args, metal=True))  # noqa: B023
-        want = [np.array(a) for a in kernel_check.run(variant, args, metal=False)]
+        args = kernels.example(variant, drafts=3, vocab=2048)
+        (gen,) = capture(lambda: kernels.run(variant, args, metal=True))  # noqa: B023
+        want = [np.array(a) for a in kernels.run(variant, args, metal=False)]
         assert_same(launch_generated(gen, mode=Mode(os_threads=True)), want, str(variant))
     assert len(seen) == 5
 
@@ -131,8 +131,8 @@ def test_captured_launch_is_the_wrappers():
     """The capture reads what the wrapper passed: padded inputs, 0-d scalars, the grid."""
     variant = next(v for v in VARIANTS if v.step == "verify_sample_candidates" and v.drafted
                    and v.candidates == 1 and v.dtype == "float32")
-    args = kernel_check.example(variant, drafts=1, vocab=VOCAB)
-    (gen,) = capture(lambda: kernel_check.run(variant, args, metal=True))
+    args = kernels.example(variant, drafts=1, vocab=VOCAB)
+    (gen,) = capture(lambda: kernels.run(variant, args, metal=True))
     assert gen.grid == (512, 1, 1) and gen.threadgroup == (512, 1, 1)
     assert gen.inputs["drafts"].size == 8 and gen.inputs["cand_ids"].size == 8  # padded
     assert gen.inputs["top_k"].ndim == 0 and int(gen.inputs["top_k"]) == 5
