@@ -7,7 +7,8 @@
 // DFLASH_THREADGROUP(T, name, n) and pass them as tg_ptr<T>: the harness turns these into
 // storage its emulated threads share, accessed through a type it instruments.
 //
-// Every kernel runs one threadgroup per row, with a multiple of 32 threads (whole simdgroups).
+// Every kernel runs one threadgroup per vocabulary row (the verify kernels: per row and
+// position; path_select: per row), with a multiple of 32 threads (whole simdgroups).
 #ifndef DFLASH_COMMON_H
 #define DFLASH_COMMON_H
 

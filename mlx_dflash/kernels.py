@@ -53,17 +53,18 @@ class KernelSpec:
         return "".join((KERNEL_DIR / h).read_text() for h in self.headers)
 
 
+# The verify kernels give one result per position (a threadgroup each, so that a row's
+# positions run side by side); first_rejection turns them into the step's outputs.
 VERIFY_GREEDY = KernelSpec(
-    "dflash_verify_greedy", "verify_greedy.metal", ("common.h",),
-    ("logits", "drafts"), ("accepted_len", "next_token"))
+    "dflash_verify_greedy", "verify_greedy.metal", ("common.h",), ("logits",), ("tokens",))
 VERIFY_SAMPLE_DENSE = KernelSpec(
     "dflash_verify_sample_dense", "verify_sample_dense.metal", ("common.h", "verify.h"),
     ("logits", "drafts", "draft_probs", "uniforms", "inv_temperature", "top_k"),
-    ("accepted_len", "next_token"))
+    ("passes", "tokens"))
 VERIFY_SAMPLE_CANDIDATES = KernelSpec(
     "dflash_verify_sample_candidates", "verify_sample_candidates.metal", ("common.h", "verify.h"),
     ("logits", "drafts", "cand_ids", "cand_probs", "uniforms", "inv_temperature", "top_k"),
-    ("accepted_len", "next_token"))
+    ("passes", "tokens"))
 PATH_SELECT_GREEDY = KernelSpec(
     "dflash_path_select_greedy", "path_select_greedy.metal", ("common.h", "path_select.h"),
     ("first", "rest", "n_steps"), ("picks",))
@@ -175,15 +176,15 @@ def _kernel(spec: KernelSpec):
 PRINT_SOURCE = False
 
 
-def _launch(spec: KernelSpec, inputs: list[mx.array], rows: int, threads: int,
+def _launch(spec: KernelSpec, inputs: list[mx.array], groups: int, threads: int,
             output_shapes: list, output_dtypes: list, template: list | None = None
             ) -> list[mx.array]:
-    """One threadgroup of ``threads`` per row. Every array input holds at least
+    """``groups`` threadgroups of ``threads`` each. Every array input holds at least
     MIN_DEVICE_ELEMENTS elements: MLX passes smaller ones in ``constant`` memory, which would
     make another compiled variant of the kernel."""
     inputs = [_device_sized(a) for a in inputs]
     options = {"template": template} if template else {}
-    return _kernel(spec)(inputs=inputs, grid=(rows * threads, 1, 1),
+    return _kernel(spec)(inputs=inputs, grid=(groups * threads, 1, 1),
                          threadgroup=(threads, 1, 1), output_shapes=output_shapes,
                          output_dtypes=output_dtypes, verbose=PRINT_SOURCE, **options)
 
@@ -284,17 +285,28 @@ def sample_index(weights: mx.array, uniforms: mx.array) -> mx.array:
     return mx.where(hit.any(axis=-1), mx.argmax(hit, axis=-1), last).astype(mx.uint32)
 
 
-def verify_greedy_mlx(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
-    """MLX path of :func:`verify_greedy`."""
-    B, L = drafts.shape
-    tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)  # [B, L+1]
+def first_rejection(passes: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
+    """passes [B, L]: whether each draft passes its own position's test; tokens [B, L+1]: the
+    token each position emits if the row stops there. -> (accepted_len [B], next_token [B]),
+    uint32: the drafts before the first that fails, and the token of that position."""
+    B, L = passes.shape
     if L:
-        matches = (drafts.astype(mx.uint32) == tokens[:, :L]).astype(mx.int32)
-        accepted = mx.cumprod(matches, axis=-1).sum(axis=-1)
+        accepted = mx.cumprod(passes.astype(mx.int32), axis=-1).sum(axis=-1)
     else:
         accepted = mx.zeros((B,), dtype=mx.int32)
     token = mx.take_along_axis(tokens, accepted[:, None], axis=-1)[:, 0]
-    return accepted.astype(mx.uint32), token
+    return accepted.astype(mx.uint32), token.astype(mx.uint32)
+
+
+def greedy_passes(drafts: mx.array, tokens: mx.array) -> mx.array:
+    """Each draft [B, L] equals the argmax of its position (tokens [B, L+1])."""
+    return drafts.astype(mx.uint32) == tokens[:, : drafts.shape[-1]]
+
+
+def verify_greedy_mlx(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+    """MLX path of :func:`verify_greedy`."""
+    tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)  # [B, L+1]
+    return first_rejection(greedy_passes(drafts, tokens), tokens)
 
 
 def _verify_sample_mlx(logits, drafts, uniforms, temperature, top_k, q_of_drafts, residual_at):
@@ -412,12 +424,10 @@ def _device_sized(a: mx.array) -> mx.array:
 
 def verify_greedy_metal(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
     """Metal path of :func:`verify_greedy`."""
-    B, _, V = logits.shape
-    accepted, token = _launch(
-        VERIFY_GREEDY, [logits, drafts.astype(mx.uint32) if drafts.shape[-1] else
-                        _dummy(mx.uint32)],
-        B, row_threads(V), output_shapes=[(B,), (B,)], output_dtypes=[mx.uint32, mx.uint32])
-    return accepted, token
+    B, P, V = logits.shape
+    (tokens,) = _launch(VERIFY_GREEDY, [logits], B * P, row_threads(V),
+                        output_shapes=[(B, P)], output_dtypes=[mx.uint32])
+    return first_rejection(greedy_passes(drafts, tokens), tokens)
 
 
 def _verify_sample_metal(spec, logits, drafts, proposal, uniforms, temperature, top_k,
@@ -428,10 +438,10 @@ def _verify_sample_metal(spec, logits, drafts, proposal, uniforms, temperature, 
     inputs += [_dummy(a.dtype) if empty else a for a in proposal]
     inputs += [uniforms.astype(mx.float32), _scalar(1.0 / temperature, mx.float32),
                _scalar(top_k if 0 < top_k < V else 0, mx.int32)]
-    accepted, token = _launch(spec, inputs, B, row_threads(V, SAMPLE_THREADS),
-                              output_shapes=[(B,), (B,)], output_dtypes=[mx.uint32, mx.uint32],
-                              template=template)
-    return accepted, token
+    passes, tokens = _launch(spec, inputs, B * P, row_threads(V, SAMPLE_THREADS),
+                             output_shapes=[(B, P), (B, P)],
+                             output_dtypes=[mx.uint32, mx.uint32], template=template)
+    return first_rejection(passes[:, : P - 1], tokens)
 
 
 def verify_sample_metal(logits, drafts, draft_probs, uniforms, temperature=1.0, top_k=0):

@@ -240,6 +240,34 @@ def launch(spec: KernelSpec, inputs: list[Arg], output_shapes: list[tuple[int, .
     return _run(lib, keep + outputs, outputs, grid, threadgroup, order, seed, mode)
 
 
+def launch_verify(spec: KernelSpec, inputs: list[Arg], drafts: np.ndarray, positions: int,
+                  threads: int, **kw) -> list[np.ndarray]:
+    """A verify kernel launched as its wrapper does (a threadgroup of ``threads`` per row and
+    position), its per-position outputs turned into (accepted_len [B], next_token [B])."""
+    B = drafts.shape[0]
+    n_outputs = len(spec.output_names)
+    raw = launch(spec, inputs, [(B, positions)] * n_outputs, ["uint32"] * n_outputs,
+                 grid=B * positions * threads, threadgroup=threads, **kw)
+    return settle(spec, raw, drafts)
+
+
+def settle(spec: KernelSpec, outputs: list[np.ndarray], drafts: np.ndarray
+           ) -> list[np.ndarray]:
+    """A verify kernel's per-position outputs as its wrapper returns them
+    (kernels.first_rejection); other kernels' outputs as they are."""
+    import mlx.core as mx
+    from mlx_dflash import kernels
+
+    if spec == kernels.VERIFY_GREEDY:
+        tokens = mx.array(outputs[0])
+        passes = kernels.greedy_passes(mx.array(drafts), tokens)
+    elif spec in (kernels.VERIFY_SAMPLE_DENSE, kernels.VERIFY_SAMPLE_CANDIDATES):
+        passes, tokens = mx.array(outputs[0])[:, :-1], mx.array(outputs[1])
+    else:
+        return outputs
+    return [np.array(a) for a in kernels.first_rejection(passes, tokens)]
+
+
 def _poisoned(shape: tuple[int, ...], dtype) -> np.ndarray:
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
     return np.full(size, 0xFF, dtype=np.uint8).view(dtype).reshape(shape)

@@ -19,7 +19,15 @@ metal_kernels/harness/metal_shim.h).
 import mlx.core as mx
 import numpy as np
 import pytest
-from kernel_harness import Arg, KernelError, launch, needs_compiler, remove_nth
+from kernel_harness import (
+    Arg,
+    KernelError,
+    launch,
+    launch_verify,
+    needs_compiler,
+    remove_nth,
+    settle,
+)
 
 from mlx_dflash import kernels
 from mlx_dflash.kernels import (
@@ -43,12 +51,9 @@ ORDERS = ("forward", "reverse", "shuffled")
 # Running both paths
 
 
-def harness_verify_greedy(logits, drafts, threads, order="forward", dtype=None):
-    B, L = drafts.shape
-    drafts = drafts if L else np.zeros((B, 1), np.uint32)
-    return launch(VERIFY_GREEDY, [Arg.of(logits, dtype), Arg.of(drafts, "uint32")],
-                  [(B,), (B,)], ["uint32", "uint32"], grid=B * threads, threadgroup=threads,
-                  order=order)
+def harness_verify_greedy(logits, drafts, threads, order="forward", dtype=None, **kw):
+    return launch_verify(VERIFY_GREEDY, [Arg.of(logits, dtype)], drafts, logits.shape[1],
+                         threads, order=order, **kw)
 
 
 def harness_verify_sample(logits, drafts, proposal, u, temperature, top_k, threads,
@@ -67,8 +72,7 @@ def harness_verify_sample(logits, drafts, proposal, u, temperature, top_k, threa
                    Arg.of(arrays[1] if L else dummy, "float32")]
     inputs += [Arg.of(u, "float32"), Arg.of(np.float32(1.0 / temperature)),
                Arg.of(np.int32(top_k))]
-    return launch(spec, inputs, [(B,), (B,)], ["uint32", "uint32"], grid=B * threads,
-                  threadgroup=threads, template=template, order=order)
+    return launch_verify(spec, inputs, drafts, L + 1, threads, template=template, order=order)
 
 
 def mlx_verify_sample(logits, drafts, proposal, u, temperature, top_k):
@@ -571,10 +575,9 @@ def test_every_thread_takes_the_acceptance_branch_thread_0_takes():
     inputs = [Arg.of(logits), Arg.of(drafts), Arg.of(q), Arg.of(u), Arg.of(np.float32(1.0)),
               Arg.of(np.int32(0))]
     for order in ORDERS:
-        accepted, token = launch(VERIFY_SAMPLE_DENSE, inputs, [(rows,), (rows,)],
-                                 ["uint32", "uint32"], grid=rows * threads,
-                                 threadgroup=threads, order=order,
-                                 defines={"DFLASH_HARNESS_SIMD_SKEW": "1e-3"})
+        accepted, token = launch_verify(VERIFY_SAMPLE_DENSE, inputs, drafts, 2, threads,
+                                        order=order,
+                                        defines={"DFLASH_HARNESS_SIMD_SKEW": "1e-3"})
         assert set(accepted.tolist()) == {0, 1}  # the sweep crosses the threshold
         assert (token < V).all()
 
@@ -586,14 +589,49 @@ def test_every_thread_takes_the_acceptance_branch_thread_0_takes():
 BARRIER = r"metal::threadgroup_barrier\(metal::mem_flags::mem_threadgroup\);"
 
 
+# verify_greedy's body with a threadgroup per row walking its positions: threadgroup_argmax
+# called again and again, as a reduction in a loop is (its second barrier guards that).
+ARGMAX_PER_POSITION = """
+DFLASH_THREADGROUP(uint, key_partials, kMaxSimdgroups);
+DFLASH_THREADGROUP(uint, id_partials, kMaxSimdgroups);
+const Layout tg = make_layout(thread_index_in_threadgroup, threads_per_threadgroup.x,
+                              thread_index_in_simdgroup, simdgroup_index_in_threadgroup);
+const uint positions = uint(logits_shape[1]);
+const uint vocab = uint(logits_shape[2]);
+for (uint pos = 0; pos < positions; pos++) {
+  const uint group = threadgroup_position_in_grid.x * positions + pos;
+  uint best = 0;
+  uint best_id = kNoIndex;
+  for (uint i = tg.tid; i < vocab; i += tg.n_threads) {
+    uint key = order_key(float(logits[size_t(group) * vocab + i]));
+    if (key > best || best_id == kNoIndex) {
+      best = key;
+      best_id = i;
+    }
+  }
+  const uint token = threadgroup_argmax(best, best_id, tg, key_partials, id_partials);
+  if (tg.tid == 0) {
+    tokens[group] = token;
+  }
+}
+"""
+
+
 def test_harness_catches_each_missing_barrier_of_the_argmax():
-    """verify_greedy with either barrier of threadgroup_argmax (common.h) deleted from a copy
-    of its source: the writes of one simdgroup race with the reads of another, and some
-    schedule of the harness gives a wrong answer or a stall."""
+    """threadgroup_argmax (common.h), called once per position by a threadgroup per row,
+    with either of its barriers deleted from a copy of its source: the writes of one
+    simdgroup race with the reads of another, and some schedule of the harness gives a wrong
+    answer or a stall."""
     rng = np.random.default_rng(1)
     logits, drafts = greedy_case(rng, 4, 8, 3000)
     expected = [a.tolist() for a in kernels.verify_greedy_mlx(mx.array(logits),
                                                                mx.array(drafts))]
+
+    def per_row(order, header=None):
+        raw = launch(VERIFY_GREEDY, [Arg.of(logits)], [(4, 9)], ["uint32"], grid=4 * 128,
+                     threadgroup=128, order=order, source=ARGMAX_PER_POSITION, header=header)
+        return settle(VERIFY_GREEDY, raw, drafts)
+
     header = VERIFY_GREEDY.header()
     start = header.index("inline uint threadgroup_argmax")
     end = header.index("inline bool threadgroup_decide")
@@ -605,15 +643,13 @@ def test_harness_catches_each_missing_barrier_of_the_argmax():
         caught = []
         for order in ORDERS:
             try:
-                out = launch(VERIFY_GREEDY, [Arg.of(logits), Arg.of(drafts, "uint32")],
-                             [(4,), (4,)], ["uint32", "uint32"], grid=4 * 128, threadgroup=128,
-                             order=order, header=broken)
-                caught.append([a.tolist() for a in out] != expected)
+                caught.append([a.tolist() for a in per_row(order, broken)] != expected)
             except KernelError:
                 caught.append(True)
         assert any(caught), f"removing barrier {n} went unnoticed"
-    # and the intact source passes under the same schedules
+    # and the intact sources pass under the same schedules
     for order in ORDERS:
+        assert [a.tolist() for a in per_row(order)] == expected
         out = harness_verify_greedy(logits, drafts, 128, order)
         assert [a.tolist() for a in out] == expected
 
@@ -634,8 +670,8 @@ def test_harness_catches_a_missing_barrier_in_the_sampler():
     caught = []
     for order in ORDERS:
         try:
-            out = launch(VERIFY_SAMPLE_DENSE, inputs, [(2,), (2,)], ["uint32", "uint32"],
-                         grid=2 * 128, threadgroup=128, order=order, header=broken)
+            out = launch_verify(VERIFY_SAMPLE_DENSE, inputs, drafts, 4, 128, order=order,
+                                header=broken)
             caught.append([a.tolist() for a in out] != [a.tolist() for a in good])
         except KernelError:
             caught.append(True)

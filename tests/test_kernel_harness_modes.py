@@ -16,7 +16,16 @@ harness lets pass, while the real kernels pass under it.
 import mlx.core as mx
 import numpy as np
 import pytest
-from kernel_harness import Arg, KernelError, Mode, STRICT, clang, launch, needs_compiler
+from kernel_harness import (
+    Arg,
+    KernelError,
+    Mode,
+    STRICT,
+    clang,
+    launch,
+    launch_verify,
+    needs_compiler,
+)
 
 from mlx_dflash import kernels
 from mlx_dflash.kernels import (
@@ -54,9 +63,9 @@ def sample_inputs(seed=0, B=4, L=3, V=2048, top_k=40):
 
 def run_dense(inputs, B, mode, order="forward", seed=0, header=None, source=None):
     try:
-        out = launch(VERIFY_SAMPLE_DENSE, inputs, [(B,), (B,)], ["uint32", "uint32"],
-                     grid=B * THREADS, threadgroup=THREADS, order=order, seed=seed,
-                     header=header, source=source, mode=mode)
+        drafts = inputs[1].array
+        out = launch_verify(VERIFY_SAMPLE_DENSE, inputs, drafts, drafts.shape[1] + 1, THREADS,
+                            order=order, seed=seed, header=header, source=source, mode=mode)
     except KernelError as e:
         return str(e)
     return [a.tolist() for a in out]
@@ -167,19 +176,17 @@ def test_os_threads_run_the_real_kernels():
     logits = rng.standard_normal((2, 5, 3000)).astype(np.float32)
     drafts = np.argmax(logits[:, :4], axis=-1).astype(np.uint32)
     drafts[1, 2] += 1
-    out = launch(VERIFY_GREEDY, [Arg.of(logits), Arg.of(drafts)], [(2,), (2,)],
-                 ["uint32", "uint32"], grid=2 * THREADS, threadgroup=THREADS, mode=OS)
+    out = launch_verify(VERIFY_GREEDY, [Arg.of(logits)], drafts, 5, THREADS, mode=OS)
     want = kernels.verify_greedy_mlx(mx.array(logits), mx.array(drafts))
     assert [a.tolist() for a in out] == [np.array(a).tolist() for a in want]
     K = 16
     ids = np.stack([rng.permutation(3000)[:K] for _ in range(8)]).reshape(2, 4, K)
     probs = rng.dirichlet(np.ones(K), (2, 4)).astype(np.float32)
     u = rng.uniform(0.05, 0.95, (2, 5)).astype(np.float32)
-    out = launch(VERIFY_SAMPLE_CANDIDATES,
-                 [Arg.of(logits), Arg.of(drafts), Arg.of(ids, "uint32"), Arg.of(probs),
-                  Arg.of(u), Arg.of(np.float32(1.0)), Arg.of(np.int32(0))],
-                 [(2,), (2,)], ["uint32", "uint32"], grid=2 * THREADS, threadgroup=THREADS,
-                 template=[("K", K)], mode=OS)
+    out = launch_verify(VERIFY_SAMPLE_CANDIDATES,
+                        [Arg.of(logits), Arg.of(drafts), Arg.of(ids, "uint32"), Arg.of(probs),
+                         Arg.of(u), Arg.of(np.float32(1.0)), Arg.of(np.int32(0))],
+                        drafts, 5, THREADS, template=[("K", K)], mode=OS)
     want = kernels.verify_sample_candidates_mlx(mx.array(logits), mx.array(drafts),
                                                 mx.array(ids), mx.array(probs), mx.array(u))
     assert [a.tolist() for a in out] == [np.array(a).tolist() for a in want]
@@ -237,7 +244,7 @@ def test_address_spaces_catch_device_memory_given_as_threadgroup_memory():
     source = replaced(VERIFY_SAMPLE_DENSE.source(),
                       "Softmax sm = softmax_stats(x, vocab, inv_temperature, f, tg, f_partials);",
                       "Softmax sm = softmax_stats(x, vocab, inv_temperature, f, tg,\n"
-                      "                           (device float*)next_token);")
+                      "                           (device float*)tokens);")
     inputs, _, B = sample_inputs(seed=4, B=1, L=1, V=256)
     assert isinstance(run_dense(inputs, B, Mode(), source=source), (list, str))
     with pytest.raises(RuntimeError, match="compiling .* failed"):

@@ -9,7 +9,15 @@ instantiation) and the wrappers' launch arithmetic, for block lengths 0 to 15.""
 import mlx.core as mx
 import numpy as np
 import pytest
-from kernel_harness import Mode, STRICT, capture, clang, launch_generated, needs_compiler
+from kernel_harness import (
+    Mode,
+    STRICT,
+    capture,
+    clang,
+    launch_generated,
+    needs_compiler,
+    settle,
+)
 
 from mlx_dflash import kernels
 
@@ -28,13 +36,19 @@ def top_ks(variant):
     return (0, 5) if variant.step.startswith("verify_sample") else (None,)
 
 
+def outputs_of(gen, args, **kw):
+    """The captured launch run by the harness, its outputs as the wrapper returns them."""
+    drafts = np.array(args["drafts"]) if "drafts" in args else None
+    return settle(gen.spec, launch_generated(gen, **kw), drafts)
+
+
 def run_variant(variant, L, top_k, order="forward"):
     """(the captured launch, the harness's outputs, the MLX twin's outputs)."""
     args = kernels.example(variant, drafts=L, vocab=VOCAB, seed=L)
     if top_k is not None:
         args["top_k"] = top_k
     (gen,) = capture(lambda: kernels.run(variant, args, metal=True))
-    got = launch_generated(gen, order=order)
+    got = outputs_of(gen, args, order=order)
     want = [np.array(a) for a in kernels.run(variant, args, metal=False)]
     return gen, got, want
 
@@ -92,7 +106,7 @@ def test_generated_kernels_under_the_strict_schedule():
         (gen,) = capture(lambda: kernels.run(variant, args, metal=True))  # noqa: B023
         want = [np.array(a) for a in kernels.run(variant, args, metal=False)]
         for seed in range(2):
-            assert_same(launch_generated(gen, order="shuffled", seed=seed, mode=STRICT), want,
+            assert_same(outputs_of(gen, args, order="shuffled", seed=seed, mode=STRICT), want,
                         str(variant))
 
 
@@ -108,7 +122,8 @@ def test_generated_kernels_with_address_spaces(variant):
         args = kernels.example(variant, drafts=L, vocab=VOCAB)
         (gen,) = capture(lambda: kernels.run(variant, args, metal=True))  # noqa: B023
         want = [np.array(a) for a in kernels.run(variant, args, metal=False)]
-        assert_same(launch_generated(gen, mode=Mode(address_spaces=True)), want, str(variant))
+        assert_same(outputs_of(gen, args, mode=Mode(address_spaces=True)), want,
+                    str(variant))
 
 
 def test_generated_kernels_on_os_threads():
@@ -123,7 +138,7 @@ def test_generated_kernels_on_os_threads():
         args = kernels.example(variant, drafts=3, vocab=2048)
         (gen,) = capture(lambda: kernels.run(variant, args, metal=True))  # noqa: B023
         want = [np.array(a) for a in kernels.run(variant, args, metal=False)]
-        assert_same(launch_generated(gen, mode=Mode(os_threads=True)), want, str(variant))
+        assert_same(outputs_of(gen, args, mode=Mode(os_threads=True)), want, str(variant))
     assert len(seen) == 5
 
 
@@ -133,7 +148,7 @@ def test_captured_launch_is_the_wrappers():
                    and v.candidates == 1 and v.dtype == "float32")
     args = kernels.example(variant, drafts=1, vocab=VOCAB)
     (gen,) = capture(lambda: kernels.run(variant, args, metal=True))
-    assert gen.grid == (512, 1, 1) and gen.threadgroup == (512, 1, 1)
+    assert gen.grid == (2 * 512, 1, 1) and gen.threadgroup == (512, 1, 1)  # 2 positions
     assert gen.inputs["drafts"].size == 8 and gen.inputs["cand_ids"].size == 8  # padded
     assert gen.inputs["top_k"].ndim == 0 and int(gen.inputs["top_k"]) == 5
     assert gen.template_args == "<1>"
