@@ -65,27 +65,31 @@ VERIFY_SAMPLE_CANDIDATES = KernelSpec(
     "dflash_verify_sample_candidates", "verify_sample_candidates.metal", ("common.h", "verify.h"),
     ("logits", "drafts", "cand_ids", "cand_probs", "uniforms", "inv_temperature", "top_k"),
     ("passes", "tokens"))
+SAMPLE_ROWS = KernelSpec(
+    "dflash_sample_rows", "sample_rows.metal", ("common.h", "verify.h"),
+    ("logits", "uniforms", "inv_temperature", "top_k"), ("tokens",))
 PATH_SELECT_GREEDY = KernelSpec(
     "dflash_path_select_greedy", "path_select_greedy.metal", ("common.h", "path_select.h"),
     ("first", "rest", "n_steps"), ("picks",))
 PATH_SELECT_SAMPLE = KernelSpec(
     "dflash_path_select_sample", "path_select_sample.metal", ("common.h", "path_select.h"),
     ("first", "rest", "uniforms", "n_steps", "inv_temperature"), ("picks", "probs"))
-SPECS = (VERIFY_GREEDY, VERIFY_SAMPLE_DENSE, VERIFY_SAMPLE_CANDIDATES, PATH_SELECT_GREEDY,
-         PATH_SELECT_SAMPLE)
+SPECS = (VERIFY_GREEDY, VERIFY_SAMPLE_DENSE, VERIFY_SAMPLE_CANDIDATES, SAMPLE_ROWS,
+         PATH_SELECT_GREEDY, PATH_SELECT_SAMPLE)
 
 # path_select holds one candidate per lane of a simdgroup.
 MAX_PATH_CANDIDATES = 32
 
-STEPS = ("verify_greedy", "verify_sample", "verify_sample_candidates", "path_select")
+STEPS = ("verify_greedy", "verify_sample", "verify_sample_candidates", "sample_rows",
+         "path_select")
 
 
 @dataclass(frozen=True)
 class Variant:
     """One kernel as MLX compiles it apart: by its inputs' dtypes, their address spaces
     (constant for dummies and small inputs) and its template. Named by what decides those:
-    the step, the logits' dtype, whether there are drafts (path_select: more than one step),
-    the candidates K and, for path_select, whether it samples."""
+    the step, the logits' dtype, whether there are drafts (path_select: more than one step;
+    sample_rows: always), the candidates K and, for path_select, whether it samples."""
 
     step: str
     dtype: str = "float32"
@@ -94,7 +98,9 @@ class Variant:
     sampled: bool = False
 
     def __str__(self) -> str:
-        parts = [self.step, self.dtype, "drafts" if self.drafted else "no drafts"]
+        parts = [self.step, self.dtype]
+        if self.step != "sample_rows":
+            parts.append("drafts" if self.drafted else "no drafts")
         if self.candidates:
             parts.append(f"K={self.candidates}")
         if self.step == "path_select":
@@ -378,6 +384,17 @@ def verify_sample_candidates_mlx(logits: mx.array, drafts: mx.array, cand_ids: m
                               residual_at)
 
 
+def sample_rows_mlx(logits: mx.array, uniforms: mx.array, temperature: float = 1.0,
+                    top_k: int = 0) -> mx.array:
+    """MLX path of :func:`sample_rows`."""
+    return sample_index(target_probs(logits, temperature, top_k), uniforms)
+
+
+def argmax_rows_mlx(logits: mx.array) -> mx.array:
+    """MLX path of :func:`argmax_rows`."""
+    return mx.argmax(logits, axis=-1).astype(mx.uint32)
+
+
 def path_select_mlx(first: mx.array, rest: mx.array, uniforms: mx.array | None = None,
                     temperature: float = 0.0) -> tuple[mx.array, mx.array | None]:
     """MLX path of :func:`path_select`."""
@@ -459,6 +476,26 @@ def verify_sample_candidates_metal(logits, drafts, cand_ids, cand_probs, uniform
                                 temperature, top_k, [("K", cand_ids.shape[-1])])
 
 
+def sample_rows_metal(logits, uniforms, temperature=1.0, top_k=0):
+    """Metal path of :func:`sample_rows`."""
+    R, V = logits.shape
+    (tokens,) = _launch(SAMPLE_ROWS, [logits, uniforms.astype(mx.float32),
+                                      _scalar(1.0 / temperature, mx.float32),
+                                      _scalar(top_k if 0 < top_k < V else 0, mx.int32)],
+                        R, row_threads(V, SAMPLE_THREADS), output_shapes=[(R,)],
+                        output_dtypes=[mx.uint32])
+    return tokens
+
+
+def argmax_rows_metal(logits):
+    """Metal path of :func:`argmax_rows`: verify_greedy's kernel, whose per-position argmax
+    is this."""
+    R, V = logits.shape
+    (tokens,) = _launch(VERIFY_GREEDY, [logits[None]], R, row_threads(V),
+                        output_shapes=[(1, R)], output_dtypes=[mx.uint32])
+    return tokens[0]
+
+
 def path_select_metal(first, rest, uniforms=None, temperature=0.0):
     """Metal path of :func:`path_select`."""
     B, K = first.shape
@@ -501,6 +538,7 @@ def decode_variants() -> list[Variant]:
             out.append(Variant("verify_greedy", dtype, drafted))
             out.append(Variant("verify_sample", dtype, drafted))
             out += [Variant("verify_sample_candidates", dtype, drafted, K) for K in CANDIDATES]
+        out.append(Variant("sample_rows", dtype))
     out += [Variant("path_select", "float32", drafted, 16, sampled)
             for drafted in (False, True) for sampled in (False, True)]
     return out
@@ -528,6 +566,10 @@ def example(variant: Variant, drafts: int = 3, vocab: int = CHECK_VOCAB,
     peaks = (np.arange(L + 1) * 17 + 5) % vocab
     logits = rng.standard_normal((1, L + 1, vocab)).astype(np.float32) * 0.5
     logits[0, np.arange(L + 1), peaks] += 12.0
+    if variant.step == "sample_rows":  # L + 1 rows (a tree's anchor and L nodes)
+        return {"logits": mx.array(logits[0]).astype(getattr(mx, variant.dtype)),
+                "uniforms": mx.array(np.linspace(0.35, 0.65, L + 1).astype(np.float32)),
+                "temperature": 1.0, "top_k": 5}
     draft_ids = peaks[:L].copy()
     if L:
         draft_ids[-1] = (draft_ids[-1] + 1) % vocab  # the target rejects it
@@ -555,6 +597,8 @@ def run(variant: Variant, args: dict[str, Any], metal: bool) -> list[mx.array]:
     """The variant's step on ``args`` by the kernel (``metal``) or by its MLX twin (lazy)."""
     suffix = "metal" if metal else "mlx"
     out = globals()[f"{variant.step}_{suffix}"](**args)
+    if isinstance(out, mx.array):
+        return [out]
     return [a for a in out if a is not None]
 
 
@@ -627,6 +671,24 @@ def verify_sample_candidates(logits: mx.array, drafts: mx.array, cand_ids: mx.ar
                                               temperature, top_k)
     return verify_sample_candidates_mlx(logits, drafts, cand_ids, cand_probs, uniforms,
                                         temperature, top_k)
+
+
+def sample_rows(logits: mx.array, uniforms: mx.array, temperature: float = 1.0,
+                top_k: int = 0) -> mx.array:
+    """One independent draw per row of logits [R, V] from p = softmax(x / T) over the top-k
+    tokens (:func:`top_k_mask`; all when top_k is 0), by inverse CDF with uniforms [R]
+    (:func:`sample_index`). -> uint32 [R]. The target's choice after each node of a tree."""
+    if _use_metal(Variant("sample_rows", dtype_name(logits.dtype))):
+        return sample_rows_metal(logits, uniforms, temperature, top_k)
+    return sample_rows_mlx(logits, uniforms, temperature, top_k)
+
+
+def argmax_rows(logits: mx.array) -> mx.array:
+    """The argmax of each row of logits [R, V] (lowest id among equal maxima, NaN above all,
+    as mx.argmax) -> uint32 [R]: verify_greedy's kernel where there is Metal."""
+    if _use_metal(Variant("verify_greedy", dtype_name(logits.dtype), True)):
+        return argmax_rows_metal(logits)
+    return argmax_rows_mlx(logits)
 
 
 def path_select(first: mx.array, rest: mx.array, uniforms: mx.array | None = None,

@@ -37,6 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from .accept import SamplingParams, sampling_logits
+from .kernels import argmax_rows, sample_rows
 
 
 # Candidates per position a tree may branch into, from drafters that score positions on their
@@ -157,11 +158,14 @@ def independent(logits: mx.array, width: int, vocab_ids: mx.array | None, beam: 
 
 def target_choices(logits: mx.array, params: SamplingParams) -> mx.array:
     """The target's token after each row of a tree pass ([N+1, V] -> [N+1]): its argmax, or
-    one independent draw per row from what plain decoding samples from."""
+    one independent draw per row from what plain decoding samples from (a Metal kernel each
+    where there is one: kernels.argmax_rows, kernels.sample_rows)."""
     if params.greedy:
-        return mx.argmax(logits, axis=-1).astype(mx.uint32)
-    return mx.random.categorical(sampling_logits(logits, params),
-                                 key=params.key()).astype(mx.uint32)
+        return argmax_rows(logits)
+    uniforms = mx.random.uniform(shape=(logits.shape[0],), key=params.key())
+    if 0 < params.top_p < 1.0:  # top-p stays in MLX ops, as in rejection_accept
+        return sample_rows(sampling_logits(logits, params), uniforms)
+    return sample_rows(logits, uniforms, params.temperature, params.top_k)
 
 
 class TreeSizer:

@@ -95,6 +95,9 @@ def test_the_check_inputs_have_clear_margins(variant):
         for _ in range(n - 1):
             expected.append((expected[-1] * 5 + 1) % variant.candidates)
         assert want[0].tolist() == [expected]
+    elif variant.step == "sample_rows":  # each row's draw is its peak
+        rows = args["logits"].shape[0]
+        assert want[0].tolist() == ((np.arange(rows) * 17 + 5) % 256).tolist()
     else:
         L = args["drafts"].shape[-1]
         peaks = (np.arange(L + 1) * 17 + 5) % 256

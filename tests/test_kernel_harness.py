@@ -33,6 +33,7 @@ from mlx_dflash import kernels
 from mlx_dflash.kernels import (
     PATH_SELECT_GREEDY,
     PATH_SELECT_SAMPLE,
+    SAMPLE_ROWS,
     VERIFY_GREEDY,
     VERIFY_SAMPLE_CANDIDATES,
     VERIFY_SAMPLE_DENSE,
@@ -441,6 +442,57 @@ def test_verify_sample_kernel_emits_the_target_distribution(top_k, kind):
     stat = ((counts[p0 > 0] - expected) ** 2 / expected).sum()
     dof = (p0 > 0).sum() - 1
     assert stat < dof + 5 * np.sqrt(2 * dof), f"chi2 {stat:.1f} with {dof} dof"
+
+
+# ---------------------------------------------------------------------------------------------
+# sample_rows: a tree's target choices
+
+
+def harness_sample_rows(logits, u, temperature, top_k, threads, order="forward"):
+    R = logits.shape[0]
+    inputs = [Arg.of(logits), Arg.of(u, "float32"), Arg.of(np.float32(1.0 / temperature)),
+              Arg.of(np.int32(top_k))]
+    return launch(SAMPLE_ROWS, inputs, [(R,)], ["uint32"], grid=R * threads,
+                  threadgroup=threads, order=order)[0]
+
+
+@pytest.mark.parametrize("V,threads,temperature,top_k", [
+    (151936, 256, 1.0, 0), (32000, 128, 0.7, 40), (5003, 64, 1.3, 1), (3000, 64, 0.9, 0)])
+def test_sample_rows_matches_the_reference(V, threads, temperature, top_k):
+    """Each row's draw equals the float64 inverse CDF's, on both paths, unless the uniform is
+    within CDF_TOL of a token boundary (then a token the reference admits there)."""
+    rng = np.random.default_rng(V + top_k)
+    R = 6
+    logits = (rng.standard_normal((R, V)) * 2.5).astype(np.float32)
+    u = rng.random(R).astype(np.float32)
+    outputs = [np.array(kernels.sample_rows_mlx(mx.array(logits), mx.array(u), temperature,
+                                                top_k))]
+    outputs += [harness_sample_rows(logits, u, temperature, top_k, threads, order)
+                for order in ORDERS]
+    ties = 0
+    for r in range(R):
+        keep = top_k_keep(logits[r], top_k)
+        p = np.where(keep, softmax64(np.where(keep, logits[r] / temperature, -np.inf)), 0.0)
+        token, interval = sample_reference(p, u[r])
+        if interval_margin(u[r], interval) > CDF_TOL:
+            assert all(int(out[r]) == token for out in outputs), r
+            continue
+        ties += 1
+        c = np.cumsum(p)
+        for out in outputs:
+            t = int(out[r])
+            assert p[t] > 0 and (c[t - 1] if t else 0.0) - CDF_TOL <= u[r] < c[t] + CDF_TOL
+    assert ties < R
+
+
+def test_sample_rows_nan_rows_give_the_last_token():
+    logits = np.random.default_rng(0).standard_normal((3, 500)).astype(np.float32)
+    logits[1] = np.nan
+    u = np.full(3, 0.5, np.float32)
+    want = np.array(kernels.sample_rows_mlx(mx.array(logits), mx.array(u))).tolist()
+    assert want[1] == 499
+    for order in ORDERS:
+        assert harness_sample_rows(logits, u, 1.0, 0, 64, order).tolist() == want
 
 
 # ---------------------------------------------------------------------------------------------
