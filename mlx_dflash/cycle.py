@@ -175,11 +175,16 @@ class Speculator:
         tree = select_tree(*(np.array(a) for a in grown), size)
         if sizer is not None:
             tree = tree.first(sizer(np.array(tree.scores)))
+        return self.verify_tree(anchor, tree)
+
+    def verify_tree(self, anchor: mx.array, tree: DraftTree, source: str = TREE) -> TreeCycle:
+        """One target pass over the anchor and a tree's nodes (a tree mask), with the target's
+        choice after each row; ``source``: TREE (the drafter's) or COPY (looked-up branches)."""
         tokens = mx.concatenate([anchor, mx.array(tree.tokens, dtype=mx.uint32)])[None]
         logits, features = self.target.forward_tree(tokens, tree.depths(), tree.visible(),
                                                     self.cache, self.layer_ids)
         choices = target_choices(logits[0], self.params)
-        return TreeCycle(anchor, len(tree), TREE, choices, choices, features, tree=tree)
+        return TreeCycle(anchor, len(tree), source, choices, choices, features, tree=tree)
 
     def feed(self, cycle: Cycle) -> None:
         """Queue all of a cycle's features for the drafter before it is synced (a plain

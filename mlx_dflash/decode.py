@@ -18,14 +18,24 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .accept import SamplingParams, sample_first
-from .cycle import DEFAULT_PREFILL_STEP, DRAFTER, NGRAM, TREE, Cycle, Speculator, prefill
+from .cycle import (
+    COPY,
+    DEFAULT_PREFILL_STEP,
+    DRAFTER,
+    NGRAM,
+    TREE,
+    Cycle,
+    Speculator,
+    TreeCycle,
+    prefill,
+)
 from .drafters import check_fits
 from .drafters.base import Drafter, drafting, verify_width
 from .pair_cache import PairCache, needs_checkpoints
 from .policy import COPY_DRAFTS, COPY_NGRAM, BlockPolicy
 from .prefix_cache import PrefixCache
 from .prompts import encode_prompt
-from .tree import AUTO, TREE_MAX
+from .tree import AUTO, TREE_MAX, DraftTree
 from .target import Target, as_target
 
 
@@ -42,6 +52,7 @@ class GenerationStats:
     copy_cycles: int = 0  # cycles that verified a looked-up block instead of the drafter's
     ngram_cycles: int = 0  # of those, blocks from the drafter's n-gram table (ngram.py)
     tree_cycles: int = 0  # cycles that verified a tree of drafts (tree.py)
+    branched_cycles: int = 0  # lookup cycles that verified several continuations as a tree
     cached_tokens: int = 0  # prompt tokens a prompt_cache already held (not prefilled)
 
     def record(self, cycle: Cycle, accepted: int) -> None:
@@ -50,6 +61,7 @@ class GenerationStats:
         self.copy_cycles += cycle.looked_up
         self.ngram_cycles += cycle.source == NGRAM
         self.tree_cycles += cycle.source == TREE
+        self.branched_cycles += cycle.looked_up and isinstance(cycle, TreeCycle)
 
     @property
     def prefilled_tokens(self) -> int:
@@ -234,6 +246,11 @@ def stream_generate(
 
         def plan(anchor: mx.array, room: int, context: int, may_look_up: bool = True) -> Cycle:
             K, block, source = policy.choose(room, context, may_look_up)
+            if tree and source == COPY:  # other earlier continuations become branches
+                branches = policy.copy_branches(block)
+                if len(branches) > 1:
+                    size = TREE_MAX if tree == AUTO else tree
+                    return spec.verify_tree(anchor, DraftTree.of_branches(branches, size), COPY)
             if tree and source == DRAFTER:
                 if tree == AUTO:
                     return spec.tree_cycle(anchor, TREE_MAX,

@@ -9,6 +9,10 @@ sampling stays exact.
 from __future__ import annotations
 
 
+# Earlier occurrences of each window a lookup can branch into (the latest ones).
+BRANCH_MEMORY = 4
+
+
 class CopyIndex:
     """The most recent earlier occurrence of every window of ``ngram`` to ``longest`` tokens,
     kept up to date as tokens are committed (O(new tokens) per cycle, host-side, no sync).
@@ -21,8 +25,9 @@ class CopyIndex:
         self.ngram = ngram
         self.sizes = list(range(max(longest or ngram, ngram), ngram - 1, -1))  # longest first
         self.tokens: list[int] = []
-        # window -> index of the token after it, one table per window size
-        self.next_pos: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        # window -> indices of the tokens after its last BRANCH_MEMORY occurrences (latest
+        # last), one table per window size
+        self.next_pos: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.sizes}
         self.extend(tokens)
 
     def extend(self, tokens: list[int]) -> None:
@@ -32,7 +37,10 @@ class CopyIndex:
         for n in self.sizes:
             table = self.next_pos[n]
             for end in range(max(start, n), len(self.tokens)):
-                table[tuple(self.tokens[end - n : end])] = end
+                ends = table.setdefault(tuple(self.tokens[end - n : end]), [])
+                ends.append(end)
+                if len(ends) > BRANCH_MEMORY:
+                    del ends[0]
 
     def lookup(self, max_len: int) -> list[int]:
         """The continuation (at most ``max_len`` tokens) after the last occurrence of the
@@ -46,7 +54,26 @@ class CopyIndex:
         for n in self.sizes:
             if len(self.tokens) < n:
                 continue
-            pos = self.next_pos[n].get(tuple(self.tokens[-n:]))
-            if pos is not None:
-                return n, self.tokens[pos : pos + max_len]
+            ends = self.next_pos[n].get(tuple(self.tokens[-n:]))
+            if ends:
+                return n, self.tokens[ends[-1] : ends[-1] + max_len]
         return 0, []
+
+    def lookup_branches(self, max_len: int, most: int = BRANCH_MEMORY) -> list[list[int]]:
+        """Up to ``most`` different continuations (each at most ``max_len`` tokens) after the
+        latest occurrences of the longest current suffix that occurred before, the latest
+        first: a tree's branches (tree.DraftTree.of_branches). [] when none occurred."""
+        if max_len <= 0:
+            return []
+        for n in self.sizes:
+            if len(self.tokens) < n:
+                continue
+            ends = self.next_pos[n].get(tuple(self.tokens[-n:]))
+            if ends:
+                branches: list[list[int]] = []
+                for end in reversed(ends):
+                    branch = self.tokens[end : end + max_len]
+                    if branch not in branches:
+                        branches.append(branch)
+                return branches[:most]
+        return []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .cycle import COPY, DRAFTER, NGRAM, PLAIN, TREE, Cycle
+from .cycle import COPY, DRAFTER, NGRAM, PLAIN, TREE, Cycle, TreeCycle
 from .drafters.base import Drafter
 from .lookup import CopyIndex
 from .ngram import NgramTable
@@ -78,6 +78,12 @@ class BlockPolicy:
         n = self.scheduler.lookup_length(probs, room, context) if self.scheduler else len(found)
         return found[:n], NGRAM
 
+    def copy_branches(self, block: list[int]) -> list[list[int]]:
+        """Continuations of the context besides a copied ``block`` (the latest occurrence's),
+        each as long at most: ``[block]`` alone when the context has no other."""
+        found = self.copy_index.lookup_branches(len(block)) if self.copy_index else []
+        return found if found and found[0] == block else [block]
+
     def finds_lookup(self, context: int) -> bool:
         """Whether a lookup would find a block now."""
         return self.copy_index is not None and bool(self.lookup(1, context)[0])
@@ -98,8 +104,9 @@ class BlockPolicy:
             return
         if self.scheduler is None:
             return
-        if cycle.looked_up:
-            self.scheduler.observe_lookup(cycle.num_drafts, accepted)
+        if cycle.looked_up:  # branches: as a chain as long as the longest
+            n = max(cycle.tree.depths()) if isinstance(cycle, TreeCycle) else cycle.num_drafts
+            self.scheduler.observe_lookup(n, accepted)
         else:
             confidence = cycle.confidence
             self.scheduler.observe(cycle.num_drafts, accepted,

@@ -88,6 +88,26 @@ class DraftTree:
         """The first ``n`` nodes (a tree: parents come first)."""
         return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n])
 
+    @classmethod
+    def of_branches(cls, branches: list[list[int]], size: int) -> DraftTree:
+        """The trie of looked-up continuations of the anchor (lookup.CopyIndex.lookup_branches,
+        the likeliest first): common prefixes share nodes; at most ``size`` nodes, the first
+        branch whole (it is what a chain would verify), the others as far as room is left."""
+        tree, node_of = cls([], []), {}  # (parent node, token) -> node
+        size = max(size, len(branches[0]) if branches else 0)
+        for branch in branches:
+            parent = -1
+            for token in branch:
+                node = node_of.get((parent, token))
+                if node is None:
+                    if len(tree) == size:
+                        break
+                    node = node_of[parent, token] = len(tree)
+                    tree.tokens.append(token)
+                    tree.parents.append(parent)
+                parent = node
+        return tree
+
     def walk(self, choices: list[int]) -> tuple[list[int], int]:
         """(rows of the accepted nodes along the path, the token committed after them), given
         the target's choice at every row (``choices[r]``: its token after row r)."""

@@ -56,3 +56,13 @@ def test_sampling_with_copy_drafts_follows_the_target():
                                              copy_drafts=True, copy_ngram=1)
     assert_follows(counts, counts4, joint, marginal4)
     assert copies > N_SAMPLES // 2  # most runs verified at least one copied block
+
+
+def test_lookup_branches_are_the_latest_different_continuations():
+    index = CopyIndex([1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 3, 4, 9, 1, 2], ngram=2)
+    # "1 2" was followed by 3 4, 5 6, 3 4: the latest first, the repeat once
+    assert index.lookup_branches(2) == [[3, 4], [5, 6]]
+    assert index.lookup_branches(2)[0] == index.lookup(2)
+    assert index.lookup_branches(3, most=1) == [[3, 4, 9]]
+    assert index.lookup_branches(0) == []
+    assert CopyIndex([1, 2, 3], ngram=2).lookup_branches(4) == []

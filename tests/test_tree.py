@@ -244,3 +244,70 @@ def test_the_sizer_verifies_what_pays_and_learns_from_what_survives():
         sizer.observe(tree, [1])
     assert sizer.survival(np.array([0.8]))[0] > 0.95
     assert sizer.survival(np.array([0.5]))[0] < 0.05
+
+
+def test_looked_up_branches_make_a_trie():
+    tree = DraftTree.of_branches([[5, 6, 7], [5, 8], [9, 6], [4, 4, 4]], 6)
+    assert tree.tokens == [5, 6, 7, 8, 9, 6]  # 5 shared; the last branch finds no room
+    assert tree.parents == [-1, 0, 1, 0, -1, 4]
+    assert len(DraftTree.of_branches([[1, 2, 3, 4]], 2)) == 4  # the first branch is whole
+
+
+def truth_branches(sequence):
+    """A copy_branches that offers the looked-up block first and the target's own
+    continuation (``sequence``: prompt and greedy output) second, so accepted paths run down
+    the second branch."""
+    def copy_branches(self, block):
+        done = len(self.copy_index.tokens)
+        truth = sequence[done : done + len(block)]
+        return [block, truth] if truth and truth != block else [block]
+    return copy_branches
+
+
+def test_greedy_lookup_branches_equal_the_target(monkeypatch):
+    """Copied blocks with other continuations verified as a tree: the output is the target's,
+    and accepted paths end on the second branch."""
+    side = []
+    walk = DraftTree.walk
+
+    def recorded(tree, choices):
+        path, token = walk(tree, choices)
+        side.append(any(tree.parents[r - 1] == -1 and r != 1 for r in path))
+        return path, token
+
+    monkeypatch.setattr(DraftTree, "walk", recorded)
+    model = make_target("qwen3", seed=2)
+    tok = make_tokenizer(128)
+    prompt = [5, 9, 14, 3, 9, 14, 22, 8]
+    want, _ = reference(model, prompt, 30)
+    monkeypatch.setattr(policy.BlockPolicy, "copy_branches",
+                        truth_branches(prompt + want))
+    monkeypatch.setattr(policy.BlockPolicy, "lookup",
+                        lambda self, room, context: ([7] * min(3, room), "copy"))
+    out, branched = [], 0
+    for r in stream_generate(model, make_drafter(model, block_size=4), tok, prompt,
+                             max_tokens=30, tree=6):
+        out += r.tokens
+        branched = r.stats.branched_cycles
+    assert out == want
+    assert branched > 0 and any(side)
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.8, 3)])
+def test_sampled_lookup_branches_follow_the_target(temperature, top_p, top_k, monkeypatch):
+    """Every cycle verifies two looked-up branches (a fixed block and another): the output
+    follows the target's distribution."""
+    def copy_branches(self, block):
+        return [block, [(t + 3) % V for t in block]]
+
+    monkeypatch.setattr(policy.BlockPolicy, "copy_branches", copy_branches)
+    monkeypatch.setattr(policy.BlockPolicy, "lookup",
+                        lambda self, room, context: ([1, 2, 3][: min(3, room)], "copy"))
+    model = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)
+    drafter = make_drafter(model, block_size=4, layer_ids=(0, 1), mask_token_id=2, seed=7)
+    joint, marginal4 = exact_joint(model, SamplingParams(temperature, top_p, top_k))
+    counts, counts4, accepted, copies = sample_runs(model, drafter, 11, tree=5,
+                                                    temperature=temperature, top_p=top_p,
+                                                    top_k=top_k)
+    assert_follows(counts, counts4, joint, marginal4)
+    assert accepted > 0 and copies > 0
