@@ -130,7 +130,7 @@ def run_bench(
         plain_tokens, plain_time = 0, 0.0
         spec = {name: {"tokens": 0, "time": 0.0, "acc": [], "pos_hits": [0] * (B - 1),
                        "pos_tries": [0] * (B - 1), "mismatches": 0, "copy_cycles": 0,
-                       "ngram_cycles": 0, "drafted": 0}
+                       "ngram_cycles": 0, "branched_cycles": 0, "drafted": 0}
                 for name, (B, _) in variants.items()}
         for text in prompts:
             prompt = chat_prompt(tokenizer, text)
@@ -144,6 +144,7 @@ def run_bench(
                 s = spec[name]
                 s["copy_cycles"] += stats.copy_cycles
                 s["ngram_cycles"] += stats.ngram_cycles
+                s["branched_cycles"] += stats.branched_cycles
                 s["tokens"] += len(out)
                 s["time"] += elapsed
                 s["acc"] += stats.acceptance_lengths
@@ -176,6 +177,8 @@ def run_bench(
                 "outputs_differing_from_plain": s["mismatches"],
                 "copy_cycle_share": s["copy_cycles"] / max(len(s["acc"]), 1),  # n-gram too
                 "ngram_cycle_share": s["ngram_cycles"] / max(len(s["acc"]), 1),
+                # copies verified with their other continuations as branches (trees on)
+                "branched_cycle_share": s["branched_cycles"] / max(len(s["acc"]), 1),
             }
         results["domains"][domain] = entry
     bar.close()
