@@ -135,19 +135,25 @@ class TreeOracle:
         return independent(mx.array(logits), TREE_CANDIDATES, None, beam)
 
 
-@pytest.mark.parametrize("size", [1, 3, 8, 20, "auto"])
-def test_greedy_trees_equal_the_target_on_every_branch(size, monkeypatch):
+def record_side_branches(monkeypatch):
+    """A list that gets, for each tree walked, whether its accepted path left the first
+    chain (a node that is not its parent's first child)."""
     side_branches = []
     walk = DraftTree.walk
 
     def recorded(tree, choices):
         path, token = walk(tree, choices)
-        # a node that is not its parent's first child: the path left the best chain
         side_branches.append(any(tree.parents.index(tree.parents[r - 1]) != r - 1
                                  for r in path))
         return path, token
 
     monkeypatch.setattr(DraftTree, "walk", recorded)
+    return side_branches
+
+
+@pytest.mark.parametrize("size", [1, 3, 8, 20, "auto"])
+def test_greedy_trees_equal_the_target_on_every_branch(size, monkeypatch):
+    side_branches = record_side_branches(monkeypatch)
     model = make_target("qwen3", seed=2)
     tok = make_tokenizer(128)
     prompt = [5, 9, 14, 3, 9, 14, 22, 8]
@@ -267,15 +273,7 @@ def truth_branches(sequence):
 def test_greedy_lookup_branches_equal_the_target(monkeypatch):
     """Copied blocks with other continuations verified as a tree: the output is the target's,
     and accepted paths end on the second branch."""
-    side = []
-    walk = DraftTree.walk
-
-    def recorded(tree, choices):
-        path, token = walk(tree, choices)
-        side.append(any(tree.parents[r - 1] == -1 and r != 1 for r in path))
-        return path, token
-
-    monkeypatch.setattr(DraftTree, "walk", recorded)
+    side = record_side_branches(monkeypatch)
     model = make_target("qwen3", seed=2)
     tok = make_tokenizer(128)
     prompt = [5, 9, 14, 3, 9, 14, 22, 8]
