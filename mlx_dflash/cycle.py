@@ -21,7 +21,7 @@ from .accept import SamplingParams, accept_block, point_mass
 from .drafters.base import Drafter, Proposal
 from .pair_cache import PairCache
 from .target import Target
-from .tree import TREE_BEAM, DraftTree, select_tree, target_choices
+from .tree import TREE_BEAM, DraftTree, select_tree, select_tree_lazy, target_choices
 
 DEFAULT_PREFILL_STEP = 2048
 
@@ -58,13 +58,19 @@ class Cycle:
 @dataclass
 class TreeCycle(Cycle):
     """A cycle verifying a tree of drafts (tree.py): ``packed`` holds the target's token after
-    each row of the pass; the walk down the tree happens at the sync."""
+    each row of the pass (and, for a tree chosen on the device, its nodes' tokens and
+    parents + 1); the walk down the tree happens at the sync."""
 
-    tree: DraftTree | None = None
+    tree: DraftTree | None = None  # None: read from ``packed`` at the sync
     kept: list[int] | None = None  # after resolve: the pass's rows that stay (anchor, path)
 
     def resolve(self) -> tuple[int, list[int]]:
-        path, token = self.tree.walk(self.packed.tolist())  # the cycle's one host sync
+        values = self.packed.tolist()  # the cycle's one host sync
+        n = self.num_drafts
+        if self.tree is None:
+            self.tree = DraftTree(values[n + 1 : 2 * n + 1],
+                                  [p - 1 for p in values[2 * n + 1 : 3 * n + 1]])
+        path, token = self.tree.walk(values[: n + 1])
         tokens = [self.tree.tokens[row - 1] for row in path] + [token]
         self.kept = [0] + path
         self.next_tokens = mx.array(tokens, dtype=mx.uint32)
@@ -165,17 +171,24 @@ class Speculator:
     def tree_cycle(self, anchor: mx.array, size: int,
                    sizer: Callable[[np.ndarray], int] | None = None) -> TreeCycle:
         """A cycle verifying a tree of ``size`` drafted nodes below ``anchor`` (or the first
-        ``sizer(scores)`` of them), grown by the drafter (its ``grow_tree``). The tree's shape
-        is decided on the host, so building it syncs once before the target pass (a chain
-        cycle does not)."""
+        ``sizer(scores)`` of them), grown by the drafter (its ``grow_tree``). A fixed size is
+        chosen on the device, so the cycle syncs once, as a chain cycle does; a ``sizer`` reads
+        the nodes' scores on the host first (one more sync)."""
         self.catch_up()
         grown = self.drafter.grow_tree(self.target, anchor, self.draft_cache, self.width,
                                        TREE_BEAM)
+        if sizer is None:
+            lazy = select_tree_lazy(*grown, size)
+            logits, features = self.target.forward_tree(
+                mx.concatenate([anchor, lazy.tokens])[None], lazy.depths, lazy.visible,
+                self.cache, self.layer_ids)
+            choices = target_choices(logits[0], self.params)
+            packed = mx.concatenate([choices, lazy.tokens.astype(mx.uint32),
+                                     (lazy.parents + 1).astype(mx.uint32)])
+            return TreeCycle(anchor, len(lazy), TREE, packed, choices, features)
         mx.eval(grown)
         tree = select_tree(*(np.array(a) for a in grown), size)
-        if sizer is not None:
-            tree = tree.first(sizer(np.array(tree.scores)))
-        return self.verify_tree(anchor, tree)
+        return self.verify_tree(anchor, tree.first(sizer(np.array(tree.scores))))
 
     def verify_tree(self, anchor: mx.array, tree: DraftTree, source: str = TREE) -> TreeCycle:
         """One target pass over the anchor and a tree's nodes (a tree mask), with the target's

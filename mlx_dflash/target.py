@@ -543,7 +543,7 @@ class Target:
                                reason)
         return reason or None
 
-    def forward_tree(self, tokens: mx.array, depths: Sequence[int], visible: Any,
+    def forward_tree(self, tokens: mx.array, depths: Sequence[int] | mx.array, visible: Any,
                      cache: list[Any], layer_ids: Sequence[int] = ()
                      ) -> tuple[mx.array, mx.array | None]:
         """Logits [1, L, V] and tap features of a tree pass: ``tokens`` [1, L] (the anchor,
@@ -553,7 +553,8 @@ class Target:
         L = tokens.shape[1]
         mask = mx.concatenate([mx.ones((L, offset), dtype=mx.bool_),
                                mx.array(visible).astype(mx.bool_)], axis=1)
-        positions = mx.array(list(depths), dtype=mx.int32)
+        positions = (depths if isinstance(depths, mx.array) else mx.array(list(depths))
+                     ).astype(mx.int32)
         attentions = [layer.self_attn for layer in self.inner.layers]
         ropes = [a.rope for a in attentions]
         for a, rope in zip(attentions, ropes):

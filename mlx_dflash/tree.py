@@ -163,6 +163,47 @@ def select_tree(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray,
     return tree
 
 
+@dataclass
+class LazyTree:
+    """:func:`select_tree`'s tree as device arrays, chosen without a host sync: node tokens
+    [N], parents [N] (-1: the anchor), and the pass's rows' depths [N+1] and visibility
+    [N+1, N+1] (as ``DraftTree.depths`` / ``visible``)."""
+
+    tokens: mx.array
+    parents: mx.array
+    depths: mx.array
+    visible: mx.array
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+
+def select_tree_lazy(tokens: mx.array, parents: mx.array, scores: mx.array,
+                     size: int) -> LazyTree:
+    """:func:`select_tree` in MLX ops. A node's ancestors come from the closure of the parent
+    relation (repeated squaring of a [M, M] matrix); the order is by score, then depth (a
+    depth * 1e-6 nudge: a child's score never exceeds its parent's, so parents come first)."""
+    M = tokens.shape[0]
+    size = min(size, M)
+    idx = mx.arange(M)
+    reach = (idx[:, None] == idx[None, :]) | (parents[:, None] == idx[None, :])
+    for _ in range(max(M - 1, 1).bit_length()):  # ancestors-or-self of each node
+        r = reach.astype(mx.float32)
+        reach = (r @ r) > 0
+    depth = reach.sum(axis=-1)  # rows: the anchor 0, its children 1, ...
+    order = mx.argsort(-scores.astype(mx.float32) + 1e-6 * depth)[:size]
+    new_index = mx.zeros((M,), dtype=mx.int32).at[order].add(mx.arange(size, dtype=mx.int32))
+    picked_parents = parents[order]
+    new_parents = mx.where(picked_parents < 0, -1, new_index[mx.maximum(picked_parents, 0)])
+    seen = reach[order][:, order]
+    visible = mx.concatenate([
+        mx.concatenate([mx.ones((1, 1), dtype=mx.bool_), mx.zeros((1, size), dtype=mx.bool_)],
+                       axis=1),
+        mx.concatenate([mx.ones((size, 1), dtype=mx.bool_), seen], axis=1)])
+    depths = mx.concatenate([mx.zeros((1,), dtype=depth.dtype), depth[order]])
+    return LazyTree(tokens[order], new_parents.astype(mx.int32), depths, visible)
+
+
 def independent(logits: mx.array, width: int, vocab_ids: mx.array | None, beam: int
                 ) -> tuple[mx.array, mx.array, mx.array]:
     """:func:`grow_tree` for a drafter that scores each position on its own: logits [K, V']

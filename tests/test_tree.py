@@ -20,7 +20,14 @@ import mlx_dflash.policy as policy
 from mlx_dflash import generate, stream_generate
 from mlx_dflash.accept import SamplingParams
 from mlx_dflash.target import Target
-from mlx_dflash.tree import TREE_CANDIDATES, DraftTree, independent, select_tree
+from mlx_dflash.tree import (
+    TREE_CANDIDATES,
+    DraftTree,
+    grow_tree,
+    independent,
+    select_tree,
+    select_tree_lazy,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +52,24 @@ def test_the_tree_is_the_best_nodes_of_the_best_paths():
     assert visible[3].tolist() == [True, True, True, True, False, False]  # 10-20-30
     assert visible[5].tolist() == [True, True, False, False, False, True]  # 10-21
     assert all(s <= tree.scores[p] for s, p in zip(tree.scores, tree.parents) if p >= 0)
+
+
+def test_the_tree_chosen_on_the_device_is_the_hosts():
+    """select_tree_lazy (fixed sizes: no sync before the pass) picks select_tree's nodes in its
+    order, with its parents, depths and mask, over random grown trees of every shape."""
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        K, beam, size = int(rng.integers(1, 8)), int(rng.integers(1, 5)), int(rng.integers(1, 20))
+        first = mx.array(rng.standard_normal(8).astype(np.float32) * 2)
+        steps = mx.array(rng.standard_normal((K, 8, 8)).astype(np.float32) * 2)
+        ids = mx.array(rng.integers(0, 100, (K, 8)).astype(np.uint32))
+        grown = grow_tree(first, lambda d, p: steps[d][p], ids, beam)  # noqa: B023
+        host = select_tree(*(np.array(a) for a in grown), size)
+        lazy = select_tree_lazy(*grown, size)
+        assert np.array(lazy.tokens).tolist() == host.tokens
+        assert np.array(lazy.parents).tolist() == host.parents
+        assert np.array(lazy.depths).tolist() == host.depths()
+        assert (np.array(lazy.visible) == host.visible()).all()
 
 
 @pytest.mark.parametrize("family", ["dspark", "dflash2"])
