@@ -24,8 +24,11 @@ A tree pass (``forward_tree``, tree.py) places each token at the position of its
 the length of the pass each attention layer's rotary embedding is swapped for one that rotates
 every token by its own position, and the pass gets a tree attention mask. Afterwards the KV
 caches keep the anchor's and the accepted path's rows, moved to consecutive slots
-(``keep_rows``). Only targets whose layers are all full attention with plain KV caches take
-tree passes (``tree_ready``); it is checked against ordinary passes on first use.
+(``keep_rows``; a sliding window's buffer is then cut as after a partial accept). Sliding-window
+layers get a tree mask limited to their window. Targets with full and sliding-window attention
+take tree passes (``tree_ready``), checked against ordinary passes on first use (with a
+context that wraps the window); recurrent (Gated DeltaNet) layers do not: their state follows
+one sequence.
 """
 
 from __future__ import annotations
@@ -433,12 +436,16 @@ class Target:
 
         With ``record`` (and a cache from ``make_cache``), keep what rolling back part of this
         pass needs for recurrent layers (their inputs or per-position states). ``mask``: the
-        attention mask of every layer (a tree pass's), instead of the model's own.
+        attention mask of every layer, or a list of each layer's (a tree pass's), instead of
+        the model's own.
         """
         h = self.embed(tokens)
         if cache is None:
             cache = [None] * self.num_layers
-        masks = self._masks(h, cache) if mask is None else [mask] * self.num_layers
+        if mask is None:
+            masks = self._masks(h, cache)
+        else:
+            masks = mask if isinstance(mask, list) else [mask] * self.num_layers
         tracked = isinstance(cache, TargetCache)
         recurrent = [] if record and tracked else None
         taps = {}
@@ -521,17 +528,19 @@ class Target:
         return self.why_no_trees() is None
 
     def why_no_trees(self) -> str | None:
-        """None when this target takes tree passes: every layer full attention with a plain KV
-        cache and a rotary embedding this module can place token by token, and a tree pass
-        equal to ordinary passes (checked once per model); else the reason."""
+        """None when this target takes tree passes: every layer full or sliding-window
+        attention with a plain KV or sliding-window cache and a rotary embedding this module
+        can place token by token, and a tree pass equal to ordinary passes (checked once per
+        model); else the reason."""
         model, key = self.model, id(self.model)
         known = _tree_refusals.get(key)
         if known is not None and known[0]() is model:
             return known[1] or None
-        if any(kind != FULL for kind in self.layer_kinds):
-            reason = "its layers are not all full attention"
-        elif not all(type(c) is KVCache for c in make_prompt_cache(model)):
-            reason = "its caches are not plain KV caches"
+        if RECURRENT in self.layer_kinds:
+            reason = "it has recurrent (Gated DeltaNet) layers, whose state follows one sequence"
+        elif not all(type(c) is KVCache or type(c) is RotatingKVCache and c.keep == 0
+                     for c in make_prompt_cache(model)):
+            reason = "its caches are not plain KV or sliding-window caches"
         elif not all(hasattr(getattr(layer, "self_attn", None), "rope")
                      for layer in self.inner.layers):
             reason = "its attention layers have no rotary embedding to place tokens with"
@@ -549,42 +558,71 @@ class Target:
         """Logits [1, L, V] and tap features of a tree pass: ``tokens`` [1, L] (the anchor,
         then the nodes), row i at position ``offset + depths[i]`` and seeing the cached context
         and the rows ``visible[i]`` ([L, L] bool) marks. Follow with ``keep_rows``."""
-        offset = cache[0].offset
-        L = tokens.shape[1]
-        mask = mx.concatenate([mx.ones((L, offset), dtype=mx.bool_),
-                               mx.array(visible).astype(mx.bool_)], axis=1)
         positions = (depths if isinstance(depths, mx.array) else mx.array(list(depths))
                      ).astype(mx.int32)
+        masks = self._tree_masks(positions, mx.array(visible).astype(mx.bool_), cache)
         attentions = [layer.self_attn for layer in self.inner.layers]
         ropes = [a.rope for a in attentions]
         for a, rope in zip(attentions, ropes):
             a.rope = _DepthRope(rope, positions)
         try:
-            h, features = self.hidden_states(tokens, cache, layer_ids, mask=mask)
+            h, features = self.hidden_states(tokens, cache, layer_ids, mask=masks)
         finally:
             for a, rope in zip(attentions, ropes):
                 a.rope = rope
         return self.lm_head(h), features
 
+    def _tree_masks(self, positions: mx.array, visible: mx.array, cache: list[Any]
+                    ) -> list[mx.array]:
+        """Each layer's mask for a tree pass: [L, held + L], the keys its cache returns (what
+        it held, then the pass's rows). Full attention sees all it held; a sliding window
+        sees the keys less than a window before the row's position, and of the pass's rows
+        its ancestors within the window."""
+        offset = cache[0].offset
+        L = positions.shape[0]
+        masks = {}
+        for kind, i in self._first_of_kind.items():
+            c = cache[i]
+            if kind == FULL:
+                masks[kind] = mx.concatenate([mx.ones((L, offset), dtype=mx.bool_), visible],
+                                             axis=1)
+                continue
+            # held: the newest positions an update of L tokens keeps before them (as
+            # RotatingKVCache.make_mask counts them)
+            held = 0 if c.keys is None else min(c.offset, c.max_size - 1)
+            rows = offset + positions
+            old = (rows[:, None] - mx.arange(offset - held, offset)[None, :]) < self.window
+            near = (positions[:, None] - positions[None, :]) < self.window
+            masks[kind] = mx.concatenate([old, visible & near], axis=1)
+        return [masks[kind] for kind in self.layer_kinds]
+
     @staticmethod
     def keep_rows(cache: list[Any], rows: Sequence[int]) -> None:
         """After a tree pass: keep only ``rows`` of it (row 0 the anchor, then the accepted
         path's), in consecutive slots; drop the rest."""
-        start = cache[0].offset - cache.last_pass.num_tokens
+        L = cache.last_pass.num_tokens
         n = len(rows)
-        if list(rows) != list(range(n)):
-            idx = mx.array([start + r for r in rows], dtype=mx.int32)
-            for c in cache:
-                c.keys[..., start : start + n, :] = c.keys[..., idx, :]
-                c.values[..., start : start + n, :] = c.values[..., idx, :]
+        moved = list(rows) != list(range(n))
+        picked = mx.array(list(rows), dtype=mx.int32)
         for c in cache:
-            c.offset = start + n
+            # where the pass's rows start: a sliding-window buffer is left in temporal order
+            # by a multi-token pass, ending with them
+            start = c.keys.shape[2] - L if isinstance(c, RotatingKVCache) else c.offset - L
+            if moved:
+                c.keys[..., start : start + n, :] = c.keys[..., start + picked, :]
+                c.values[..., start : start + n, :] = c.values[..., start + picked, :]
+            if isinstance(c, RotatingKVCache):
+                _trim_rotating(c, L - n, L)
+            else:
+                c.offset -= L - n
         cache.last_pass = None
 
     def _tree_matches(self) -> bool:
         """A tree pass equals ordinary passes: a chain of two nodes, and a second child of the
         anchor (its own pass), on scratch caches."""
-        context = mx.array([[1, 2, 3]], dtype=mx.uint32)
+        # long enough that a sliding window has wrapped: its mask's edge is checked too
+        length = 3 + (self.window or 0) if SLIDING in self.layer_kinds else 3
+        context = (mx.arange(1, length + 1, dtype=mx.uint32) % self.vocab_size)[None]
         tree_tokens = mx.array([[4, 5, 6, 7]], dtype=mx.uint32)  # anchor 4; 5 -> 6; 7
 
         def after_context() -> TargetCache:
