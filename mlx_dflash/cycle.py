@@ -179,10 +179,7 @@ class Speculator:
                                        TREE_BEAM)
         if sizer is None:
             lazy = select_tree_lazy(*grown, size)
-            logits, features = self.target.forward_tree(
-                mx.concatenate([anchor, lazy.tokens])[None], lazy.depths, lazy.visible,
-                self.cache, self.layer_ids)
-            choices = target_choices(logits[0], self.params)
+            choices, features = self.tree_pass(anchor, lazy.tokens, lazy.depths, lazy.visible)
             packed = mx.concatenate([choices, lazy.tokens.astype(mx.uint32),
                                      (lazy.parents + 1).astype(mx.uint32)])
             return TreeCycle(anchor, len(lazy), TREE, packed, choices, features)
@@ -191,13 +188,20 @@ class Speculator:
         return self.verify_tree(anchor, tree.first(sizer(np.array(tree.scores))))
 
     def verify_tree(self, anchor: mx.array, tree: DraftTree, source: str = TREE) -> TreeCycle:
-        """One target pass over the anchor and a tree's nodes (a tree mask), with the target's
-        choice after each row; ``source``: TREE (the drafter's) or COPY (looked-up branches)."""
-        tokens = mx.concatenate([anchor, mx.array(tree.tokens, dtype=mx.uint32)])[None]
-        logits, features = self.target.forward_tree(tokens, tree.depths(), tree.visible(),
-                                                    self.cache, self.layer_ids)
-        choices = target_choices(logits[0], self.params)
+        """A cycle verifying a tree known on the host; ``source``: TREE (the drafter's) or
+        COPY (looked-up branches)."""
+        choices, features = self.tree_pass(anchor, mx.array(tree.tokens, dtype=mx.uint32),
+                                           tree.depths(), tree.visible())
         return TreeCycle(anchor, len(tree), source, choices, choices, features, tree=tree)
+
+    def tree_pass(self, anchor: mx.array, nodes: mx.array, depths: Any, visible: Any
+                  ) -> tuple[mx.array, mx.array | None]:
+        """One target pass over the anchor and a tree's nodes (a tree mask): the target's
+        choice after each row, and the pass's tap features."""
+        logits, features = self.target.forward_tree(
+            mx.concatenate([anchor, nodes.astype(mx.uint32)])[None], depths, visible,
+            self.cache, self.layer_ids)
+        return target_choices(logits[0], self.params), features
 
     def feed(self, cycle: Cycle) -> None:
         """Queue all of a cycle's features for the drafter before it is synced (a plain
