@@ -178,3 +178,34 @@ def test_chat_piped_and_without_template(tiny_chat_pair, tmp_path):
     make_tokenizer(96)._tokenizer.save_pretrained(str(plain))
     result = CliRunner().invoke(app, ["chat", "--model", str(plain), "--drafter", "none"])
     assert result.exit_code == 2 and "has no chat template" in result.output
+
+
+def test_chat_with_tree_drafts(tiny_chat_pair):
+    """--tree: two turns (the second continues the first's caches), replies as the target's."""
+    from mlx_lm import load
+
+    target_dir, drafter_dir = tiny_chat_pair
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "mlx_dflash.cli", "chat", "--model", str(target_dir), "--drafter",
+         str(drafter_dir), "--max-tokens", str(MAX_TOKENS), "--tree", "5"],
+        encoding="utf-8", timeout=30, dimensions=(24, 200),
+    )
+    try:
+        child.expect(r"Ready in [\d.]+ s")
+        target, tokenizer = load(str(target_dir))
+        drafter = mlx_dflash.load_drafter(drafter_dir)
+        history = [{"role": "user", "content": "w5 w6 w7"}]
+        reply1, _ = say(child, "w5 w6 w7")
+        assert reply1 == expected_reply(target, drafter, tokenizer, history)
+        history += [{"role": "assistant", "content": reply1},
+                    {"role": "user", "content": "w30 w31"}]
+        reply2, (prefilled, total) = say(child, "w30 w31")
+        assert reply2 == expected_reply(target, drafter, tokenizer, history)
+        assert prefilled < total
+        child.expect_exact(">> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0

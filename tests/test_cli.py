@@ -47,3 +47,15 @@ def test_generate_bad_paths_are_named(tiny_pair):
 def test_help_and_version():
     assert "generate" in cli("--help").stdout
     assert cli("--version").stdout.startswith("mlx-dflash ")
+
+
+def test_tree_option(tiny_pair):
+    """--tree N gives the target's output; a bad --tree is named before anything loads."""
+    target_dir, drafter_dir = tiny_pair
+    pair = ["--model", str(target_dir), "--drafter", str(drafter_dir), "--max-tokens", "12"]
+    plain = cli("generate", "w5 w6 w7", *pair)
+    tree = cli("generate", "w5 w6 w7", *pair, "--tree", "5")
+    assert tree.returncode == 0, tree.stderr
+    assert tree.stdout == plain.stdout
+    bad = cli("generate", "w5 w6 w7", *pair, "--tree", "0")
+    assert bad.returncode != 0 and "--tree takes a number of nodes" in bad.stderr

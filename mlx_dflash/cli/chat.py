@@ -9,7 +9,7 @@ import typer
 
 from ..policy import COPY_DRAFTS
 from .app import app, fail
-from .common import PrefillProgress, load_pair
+from .common import TREE_HELP, PrefillProgress, load_pair, parse_tree
 
 COMMANDS = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 CONVERSATION_ENTRIES = 3  # cache entries a chat keeps: its last reply, and checkpoints
@@ -79,6 +79,7 @@ def chat(
     copy: bool = typer.Option(COPY_DRAFTS, "--copy/--no-copy",
                               help="Copy drafts: verify what followed an earlier occurrence of "
                               "the last tokens when there is one."),
+    tree: Optional[str] = typer.Option(None, "--tree", help=TREE_HELP),
 ) -> None:
     """Chat with the model (multi-turn, its chat template), one statistics line per reply.
 
@@ -88,6 +89,7 @@ def chat(
     """
     if top_p == 0:
         fail("--top-p must be in (0, 1]")
+    tree_size = parse_tree(tree)
     import mlx.core as mx
 
     from ..decode import stream_generate_cached
@@ -102,10 +104,12 @@ def chat(
     B = verify_width(draft, block_size)
     costs = None
     if draft is not None and B > 1:
-        from ..target import as_target
         from ..schedule import cached_costs
+        from ..target import as_target
+        from ..tree import TREE_MAX
 
-        costs = cached_costs(as_target(target), draft, B)
+        # trees verify up to TREE_MAX + 1 tokens: their passes are timed that far
+        costs = cached_costs(as_target(target), draft, max(B, TREE_MAX + 1) if tree else B)
         typer.echo(f"  target 1-token pass {costs.verify(1, 128) * 1e3:.1f} ms, {B}-token pass "
                    f"{costs.verify(B, 128) * 1e3:.1f} ms; drafter pass "
                    f"{costs.draft_s * 1e3:.1f} ms", err=True)
@@ -150,13 +154,15 @@ def chat(
         gen = stream_generate_cached(
             conversation, target, draft, tokenizer, prompt, take=True, max_tokens=max_tokens,
             temperature=temp, top_p=top_p, top_k=top_k, block_size=block_size,
-            prompt_progress=progress, copy_drafts=copy,
+            prompt_progress=progress, copy_drafts=copy, tree=tree_size,
         )
         try:
             for last in gen:
                 progress.clear()
                 reply.append(last.text)
                 print(last.text, end="", flush=True)
+        except ValueError as e:  # a request the pair cannot serve (trees on a hybrid target)
+            fail(str(e))
         except KeyboardInterrupt:
             gen.close()  # keeps what can be kept of the caches
             progress.clear()

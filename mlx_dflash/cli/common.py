@@ -80,3 +80,16 @@ def parse_size(text: str) -> int:
     if m is None or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a size: {text!r} (e.g. 2GB, 512MiB, 0)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+TREE_HELP = ("Verify a tree of this many drafted nodes per cycle instead of a chain, or 'auto': "
+             "as many as pay (targets with full and sliding-window attention).")
+
+
+def parse_tree(text: str | None) -> int | str | None:
+    """--tree: a number of nodes (>= 1), 'auto', or None (chains)."""
+    if text is None or text == "auto":
+        return text
+    if not (text.isdigit() and int(text) > 0):
+        fail(f"--tree takes a number of nodes (>= 1) or 'auto', got {text!r}")
+    return int(text)

@@ -9,7 +9,7 @@ import typer
 
 from ..policy import COPY_DRAFTS
 from .app import app, fail
-from .common import PrefillProgress, chat_prompt, load_pair
+from .common import TREE_HELP, PrefillProgress, chat_prompt, load_pair, parse_tree
 
 
 @app.command()
@@ -26,10 +26,7 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", min=0),
     block_size: Optional[int] = typer.Option(None, "--block-size", "-b", min=1,
                                              help="Block size (default: the drafter's)."),
-    tree: Optional[str] = typer.Option(None, "--tree",
-                                       help="Verify a tree of this many drafted nodes per "
-                                       "cycle instead of a chain, or 'auto': as many as pay "
-                                       "(full-attention targets)."),
+    tree: Optional[str] = typer.Option(None, "--tree", help=TREE_HELP),
     seed: Optional[int] = typer.Option(None, "--seed"),
     no_chat_template: bool = typer.Option(False, "--no-chat-template",
                                           help="Send the prompt as raw text."),
@@ -45,8 +42,7 @@ def generate(
         fail("no prompt given (pass it as an argument or with --prompt)")
     if top_p == 0:
         fail("--top-p must be in (0, 1]")
-    if tree is not None and tree != "auto" and not (tree.isdigit() and int(tree) > 0):
-        fail(f"--tree takes a number of nodes (>= 1) or 'auto', got {tree!r}")
+    tree_size = parse_tree(tree)
     import mlx.core as mx
 
     from ..decode import stream_generate
@@ -59,7 +55,7 @@ def generate(
         target, draft, tokenizer, chat_prompt(tokenizer, text, not no_chat_template),
         max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k,
         block_size=block_size, prompt_progress=progress, copy_drafts=copy,
-        tree=int(tree) if tree and tree != "auto" else tree,
+        tree=tree_size,
     )
     try:
         for last in responses:
