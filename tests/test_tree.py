@@ -72,6 +72,19 @@ def test_the_tree_chosen_on_the_device_is_the_hosts():
         assert (np.array(lazy.visible) == host.visible()).all()
 
 
+def test_a_child_tying_its_parent_comes_after_it():
+    """A confident drafter gives a child its parent's path probability (a transition of
+    probability 1): the device's order puts the parent first even with the child listed
+    first and scores too large for a small nudge to separate them."""
+    tokens = mx.array([12, 10, 11, 13], dtype=mx.uint32)
+    parents = mx.array([1, -1, -1, 1], dtype=mx.int32)
+    scores = mx.array([-20.0, -20.0, -30.0, -40.0])
+    for size, want in [(1, [10]), (2, [10, 12]), (3, [10, 12, 11])]:
+        lazy = select_tree_lazy(tokens, parents, scores, size)
+        assert np.array(lazy.tokens).tolist() == want
+        assert np.array(lazy.parents).tolist() == [-1, 0, -1][:size]
+
+
 @pytest.mark.parametrize("family", ["dspark", "dflash2"])
 def test_a_tree_of_one_path_is_the_drafters_greedy_walk(family):
     """Each node's children are scored given its token (DSpark: the Markov head; DFlash 2:
