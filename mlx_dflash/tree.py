@@ -181,9 +181,9 @@ class LazyTree:
 def select_tree_lazy(tokens: mx.array, parents: mx.array, scores: mx.array,
                      size: int) -> LazyTree:
     """:func:`select_tree` in MLX ops. A node's ancestors come from the closure of the parent
-    relation (repeated squaring of a [M, M] matrix); the order is by score, then depth (a
-    child's score never exceeds its parent's, so parents come first and the best ``size``
-    nodes are a tree)."""
+    relation (repeated squaring of a [M, M] matrix), the order from pairwise comparisons: by
+    score, then depth (a child's score never exceeds its parent's, so parents come first and
+    the best ``size`` nodes are a tree)."""
     M = tokens.shape[0]
     size = min(size, M)
     idx = mx.arange(M)
@@ -192,11 +192,13 @@ def select_tree_lazy(tokens: mx.array, parents: mx.array, scores: mx.array,
         r = reach.astype(mx.float32)
         reach = (r @ r) > 0
     depth = reach.sum(axis=-1)  # rows: the anchor 0, its children 1, ...
-    # by score, then depth, exactly: one integer key (a child may tie its parent's score)
-    bits = (-scores.astype(mx.float32)).view(mx.uint32)
-    ordered = mx.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
-    key = ordered.astype(mx.uint64) * 256 + depth.astype(mx.uint64)
-    order = mx.argsort(key)[:size]
+    # Each node's rank by score, then depth, then index, counted pairwise: exact (a child may
+    # tie its parent's score), and distinct, so any sort of the ranks gives the order.
+    s = scores.astype(mx.float32)
+    before = (s[None, :] > s[:, None]) | (s[None, :] == s[:, None]) & (
+        (depth[None, :] < depth[:, None])
+        | (depth[None, :] == depth[:, None]) & (idx[None, :] < idx[:, None]))
+    order = mx.argsort(before.sum(axis=-1))[:size]
     new_index = mx.zeros((M,), dtype=mx.int32).at[order].add(mx.arange(size, dtype=mx.int32))
     picked_parents = parents[order]
     new_parents = mx.where(picked_parents < 0, -1, new_index[mx.maximum(picked_parents, 0)])
