@@ -41,6 +41,22 @@ def expected_reply(target, drafter, tokenizer, messages):
     return mlx_dflash.generate(target, drafter, tokenizer, prompt, max_tokens=MAX_TOKENS)
 
 
+def spawn_chat(target_dir, drafter_dir, *options):
+    """`mlx-dflash chat` on the tiny pair in a pseudo-terminal, MAX_TOKENS a reply."""
+    return pexpect.spawn(
+        sys.executable,
+        ["-m", "mlx_dflash.cli", "chat", "--model", str(target_dir), "--drafter",
+         str(drafter_dir), "--max-tokens", str(MAX_TOKENS), *options],
+        encoding="utf-8", timeout=30, dimensions=(24, 200),
+    )
+
+
+def quit_chat(child):
+    child.expect_exact(">> ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+
+
 def say(child, text):
     """Send one user turn; return (reply, (prefilled, prompt tokens)) as shown on the terminal."""
     child.expect_exact(">> ")
@@ -55,12 +71,7 @@ def test_chat_two_turns_reset_exit(tiny_chat_pair):
     from mlx_lm import load
 
     target_dir, drafter_dir = tiny_chat_pair
-    child = pexpect.spawn(
-        sys.executable,
-        ["-m", "mlx_dflash.cli", "chat", "--model", str(target_dir), "--drafter",
-         str(drafter_dir), "--max-tokens", str(MAX_TOKENS), "--system-prompt", "w8"],
-        encoding="utf-8", timeout=30, dimensions=(24, 200),
-    )
+    child = spawn_chat(target_dir, drafter_dir, "--system-prompt", "w8")
     try:
         child.expect("Loading")  # progress while the model loads
         child.expect(r"target 1-token pass [\d.]+ ms, 4-token pass [\d.]+ ms")  # costs timed
@@ -89,9 +100,7 @@ def test_chat_two_turns_reset_exit(tiny_chat_pair):
                                         [history[0], {"role": "user", "content": "w30 w31"}])
         assert reply3 != reply2  # the history did shape turn two
 
-        child.expect_exact(">> ")
-        child.sendline("/exit")
-        child.expect(pexpect.EOF)
+        quit_chat(child)
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
@@ -102,12 +111,7 @@ def test_chat_prefills_only_the_new_turn(tiny_chat_pair):
     from mlx_lm import load
 
     target_dir, drafter_dir = tiny_chat_pair
-    child = pexpect.spawn(
-        sys.executable,
-        ["-m", "mlx_dflash.cli", "chat", "--model", str(target_dir), "--drafter",
-         str(drafter_dir), "--max-tokens", str(MAX_TOKENS), "--system", "w8 w9 w10"],
-        encoding="utf-8", timeout=30, dimensions=(24, 200),
-    )
+    child = spawn_chat(target_dir, drafter_dir, "--system", "w8 w9 w10")
     try:
         target, tokenizer = load(str(target_dir))
         drafter = mlx_dflash.load_drafter(drafter_dir)
@@ -125,9 +129,7 @@ def test_chat_prefills_only_the_new_turn(tiny_chat_pair):
             else:  # only what the new turn added to the template's text
                 assert prefilled == len(prompt) - len(before), (turn, prefilled, total)
             history.append({"role": "assistant", "content": reply})
-        child.expect_exact(">> ")
-        child.sendline("/exit")
-        child.expect(pexpect.EOF)
+        quit_chat(child)
     finally:
         child.close(force=True)
 
@@ -185,12 +187,7 @@ def test_chat_with_tree_drafts(tiny_chat_pair):
     from mlx_lm import load
 
     target_dir, drafter_dir = tiny_chat_pair
-    child = pexpect.spawn(
-        sys.executable,
-        ["-m", "mlx_dflash.cli", "chat", "--model", str(target_dir), "--drafter",
-         str(drafter_dir), "--max-tokens", str(MAX_TOKENS), "--tree", "5"],
-        encoding="utf-8", timeout=30, dimensions=(24, 200),
-    )
+    child = spawn_chat(target_dir, drafter_dir, "--tree", "5")
     try:
         child.expect(r"Ready in [\d.]+ s")
         target, tokenizer = load(str(target_dir))
@@ -203,9 +200,7 @@ def test_chat_with_tree_drafts(tiny_chat_pair):
         reply2, (prefilled, total) = say(child, "w30 w31")
         assert reply2 == expected_reply(target, drafter, tokenizer, history)
         assert prefilled < total
-        child.expect_exact(">> ")
-        child.sendline("/exit")
-        child.expect(pexpect.EOF)
+        quit_chat(child)
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
