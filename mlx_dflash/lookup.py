@@ -51,29 +51,25 @@ class CopyIndex:
         """``lookup`` with the length of the window it matched (0 and [] when none)."""
         if max_len <= 0:
             return 0, []
+        n, ends = self._matched()
+        return (n, self.tokens[ends[-1] : ends[-1] + max_len]) if ends else (0, [])
+
+    def _matched(self) -> tuple[int, list[int]]:
+        """(size, where the following tokens start, latest last) of the longest current
+        suffix that occurred before; (0, []) when none did."""
         for n in self.sizes:
-            if len(self.tokens) < n:
-                continue
-            ends = self.next_pos[n].get(tuple(self.tokens[-n:]))
+            ends = self.next_pos[n].get(tuple(self.tokens[-n:])) if len(self.tokens) >= n else None
             if ends:
-                return n, self.tokens[ends[-1] : ends[-1] + max_len]
+                return n, ends
         return 0, []
 
     def lookup_branches(self, max_len: int, most: int = BRANCH_MEMORY) -> list[list[int]]:
         """Up to ``most`` different continuations (each at most ``max_len`` tokens) after the
         latest occurrences of the longest current suffix that occurred before, the latest
         first: a tree's branches (tree.DraftTree.of_branches). [] when none occurred."""
-        if max_len <= 0:
-            return []
-        for n in self.sizes:
-            if len(self.tokens) < n:
-                continue
-            ends = self.next_pos[n].get(tuple(self.tokens[-n:]))
-            if ends:
-                branches: list[list[int]] = []
-                for end in reversed(ends):
-                    branch = self.tokens[end : end + max_len]
-                    if branch not in branches:
-                        branches.append(branch)
-                return branches[:most]
-        return []
+        branches: list[list[int]] = []
+        for end in reversed(self._matched()[1] if max_len > 0 else []):
+            branch = self.tokens[end : end + max_len]
+            if branch not in branches:
+                branches.append(branch)
+        return branches[:most]
