@@ -21,7 +21,7 @@ from .accept import SamplingParams, accept_block, point_mass
 from .drafters.base import Drafter, Proposal
 from .pair_cache import PairCache
 from .target import Target
-from .tree import TREE_BEAM, DraftTree, select_tree, select_tree_lazy, target_choices
+from .tree import TREE_BEAM, DraftTree, select_tree, target_choices
 
 DEFAULT_PREFILL_STEP = 2048
 
@@ -62,6 +62,7 @@ class TreeCycle(Cycle):
     parents + 1); the walk down the tree happens at the sync."""
 
     tree: DraftTree | None = None  # None: read from ``packed`` at the sync
+    scores: list[float] | None = None  # its nodes' path probabilities, where read (tree="auto")
     kept: list[int] | None = None  # after resolve: the pass's rows that stay (anchor, path)
 
     def resolve(self) -> tuple[int, list[int]]:
@@ -69,7 +70,8 @@ class TreeCycle(Cycle):
         n = self.num_drafts
         if self.tree is None:
             self.tree = DraftTree(values[n + 1 : 2 * n + 1],
-                                  [p - 1 for p in values[2 * n + 1 : 3 * n + 1]])
+                                  [p - 1 for p in values[2 * n + 1 : 3 * n + 1]],
+                                  self.scores or [])
         path, token = self.tree.walk(values[: n + 1])
         tokens = [self.tree.tokens[row - 1] for row in path] + [token]
         self.kept = [0] + path
@@ -171,21 +173,21 @@ class Speculator:
     def tree_cycle(self, anchor: mx.array, size: int,
                    sizer: Callable[[np.ndarray], int] | None = None) -> TreeCycle:
         """A cycle verifying a tree of ``size`` drafted nodes below ``anchor`` (or the first
-        ``sizer(scores)`` of them), grown by the drafter (its ``grow_tree``). A fixed size is
-        chosen on the device, so the cycle syncs once, as a chain cycle does; a ``sizer`` reads
-        the nodes' scores on the host first (one more sync)."""
+        ``sizer(scores)`` of them), grown by the drafter (its ``grow_tree``) and chosen on the
+        device: with a fixed size the cycle syncs once, as a chain cycle does; a ``sizer``
+        reads the nodes' scores on the host first (one more sync)."""
         self.catch_up()
         grown = self.drafter.grow_tree(self.target, anchor, self.draft_cache, self.width,
                                        TREE_BEAM)
-        if sizer is None:
-            lazy = select_tree_lazy(*grown, size)
-            choices, features = self.tree_pass(anchor, lazy.tokens, lazy.depths, lazy.visible)
-            packed = mx.concatenate([choices, lazy.tokens.astype(mx.uint32),
-                                     (lazy.parents + 1).astype(mx.uint32)])
-            return TreeCycle(anchor, len(lazy), TREE, packed, choices, features)
-        mx.eval(grown)
-        tree = select_tree(*(np.array(a) for a in grown), size)
-        return self.verify_tree(anchor, tree.first(sizer(np.array(tree.scores))))
+        tree, scores = select_tree(*grown, size), []
+        if sizer is not None:  # its size sets the pass's shape: the scores are read first
+            scores = tree.scores.tolist()
+            tree = tree.first(sizer(np.array(scores)))
+        choices, features = self.tree_pass(anchor, tree.tokens, tree.depths, tree.visible)
+        packed = mx.concatenate([choices, tree.tokens.astype(mx.uint32),
+                                 (tree.parents + 1).astype(mx.uint32)])
+        return TreeCycle(anchor, len(tree), TREE, packed, choices, features,
+                         scores=scores[: len(tree)])
 
     def verify_tree(self, anchor: mx.array, tree: DraftTree, source: str = TREE) -> TreeCycle:
         """A cycle verifying a tree known on the host; ``source``: TREE (the drafter's) or

@@ -84,10 +84,6 @@ class DraftTree:
             out[p + 1].setdefault(tok, i)
         return out
 
-    def first(self, n: int) -> DraftTree:
-        """The first ``n`` nodes (a tree: parents come first)."""
-        return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n])
-
     @classmethod
     def of_branches(cls, branches: list[list[int]], size: int) -> DraftTree:
         """The trie of looked-up continuations of the anchor (lookup.CopyIndex.lookup_branches,
@@ -145,42 +141,30 @@ def grow_tree(first: mx.array, transition: Callable[[int, mx.array], mx.array],
             mx.concatenate(all_scores))
 
 
-def select_tree(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray,
-                size: int) -> DraftTree:
-    """The ``size`` best nodes of :func:`grow_tree`'s, parents first (by score, then depth:
-    a child never scores above its parent)."""
-    depth = np.zeros(len(tokens), dtype=np.int64)
-    for i, p in enumerate(parents):
-        depth[i] = 0 if p < 0 else depth[p] + 1
-    order = np.lexsort((depth, -scores))[:size]
-    new_index = {int(old): new for new, old in enumerate(order)}
-    tree = DraftTree([], [], [])
-    for old in order:
-        p = int(parents[old])
-        tree.tokens.append(int(tokens[old]))
-        tree.parents.append(-1 if p < 0 else new_index[p])
-        tree.scores.append(float(np.exp(scores[old])))
-    return tree
-
-
 @dataclass
 class LazyTree:
     """:func:`select_tree`'s tree as device arrays, chosen without a host sync: node tokens
-    [N], parents [N] (-1: the anchor), and the pass's rows' depths [N+1] and visibility
-    [N+1, N+1] (as ``DraftTree.depths`` / ``visible``)."""
+    [N], parents [N] (-1: the anchor), path probabilities [N], and the pass's rows' depths
+    [N+1] and visibility [N+1, N+1] (as ``DraftTree.depths`` / ``visible``)."""
 
     tokens: mx.array
     parents: mx.array
+    scores: mx.array
     depths: mx.array
     visible: mx.array
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def first(self, n: int) -> LazyTree:
+        """The first ``n`` nodes (a tree: parents come first)."""
+        return LazyTree(self.tokens[:n], self.parents[:n], self.scores[:n],
+                        self.depths[: n + 1], self.visible[: n + 1, : n + 1])
 
-def select_tree_lazy(tokens: mx.array, parents: mx.array, scores: mx.array,
-                     size: int) -> LazyTree:
-    """:func:`select_tree` in MLX ops. A node's ancestors come from the closure of the parent
+
+def select_tree(tokens: mx.array, parents: mx.array, scores: mx.array, size: int) -> LazyTree:
+    """The ``size`` best nodes of :func:`grow_tree`'s (log path probabilities ``scores``),
+    parents first, in MLX ops. A node's ancestors come from the closure of the parent
     relation (repeated squaring of a [M, M] matrix), the order from pairwise comparisons: by
     score, then depth (a child's score never exceeds its parent's, so parents come first and
     the best ``size`` nodes are a tree)."""
@@ -208,7 +192,8 @@ def select_tree_lazy(tokens: mx.array, parents: mx.array, scores: mx.array,
                        axis=1),
         mx.concatenate([mx.ones((size, 1), dtype=mx.bool_), seen], axis=1)])
     depths = mx.concatenate([mx.zeros((1,), dtype=depth.dtype), depth[order]])
-    return LazyTree(tokens[order], new_parents.astype(mx.int32), depths, visible)
+    return LazyTree(tokens[order], new_parents.astype(mx.int32), mx.exp(s[order]), depths,
+                    visible)
 
 
 def independent(logits: mx.array, width: int, vocab_ids: mx.array | None, beam: int

@@ -26,7 +26,6 @@ from mlx_dflash.tree import (
     grow_tree,
     independent,
     select_tree,
-    select_tree_lazy,
 )
 
 
@@ -42,21 +41,35 @@ def test_the_tree_is_the_best_nodes_of_the_best_paths():
     for d, (a, b) in enumerate([(0.7, 0.3), (0.6, 0.4), (0.9, 0.1)]):
         logits[d, 10 * (d + 1)], logits[d, 10 * (d + 1) + 1] = np.log(a), np.log(b)
     grown = independent(mx.array(logits), 2, None, beam=2)
-    tree = select_tree(*(np.array(a) for a in grown), 5)
+    chosen = select_tree(*grown, 5)
+    tree = DraftTree(chosen.tokens.tolist(), chosen.parents.tolist(), chosen.scores.tolist())
     # levels keep 10 .7, 11 .3 | 10-20 .42, 10-21 .28 | 10-20-30 .378, 10-21-30 .252
     assert tree.tokens == [10, 20, 30, 11, 21]
     assert tree.parents == [-1, 0, 1, -1, 0]
     assert np.allclose(tree.scores, [0.7, 0.42, 0.378, 0.3, 0.28])
-    assert tree.depths() == [0, 1, 2, 3, 1, 2]
+    assert tree.depths() == [0, 1, 2, 3, 1, 2] == chosen.depths.tolist()
     visible = tree.visible()
+    assert (visible == np.array(chosen.visible)).all()
     assert visible[3].tolist() == [True, True, True, True, False, False]  # 10-20-30
     assert visible[5].tolist() == [True, True, False, False, False, True]  # 10-21
     assert all(s <= tree.scores[p] for s, p in zip(tree.scores, tree.parents) if p >= 0)
 
 
+def select_on_host(tokens, parents, scores, size):
+    """The reference: the ``size`` best nodes by score, then depth, in numpy."""
+    depth = np.zeros(len(tokens), dtype=np.int64)
+    for i, p in enumerate(parents):
+        depth[i] = 0 if p < 0 else depth[p] + 1
+    order = np.lexsort((depth, -scores))[:size]
+    new_index = {int(old): new for new, old in enumerate(order)}
+    return DraftTree([int(tokens[old]) for old in order],
+                     [-1 if parents[old] < 0 else new_index[int(parents[old])] for old in order],
+                     [float(np.exp(scores[old])) for old in order])
+
+
 def test_the_tree_chosen_on_the_device_is_the_hosts():
-    """select_tree_lazy (fixed sizes: no sync before the pass) picks select_tree's nodes in its
-    order, with its parents, depths and mask, over random grown trees of every shape."""
+    """select_tree (on the device: no sync before the pass) picks the reference's nodes in
+    its order, with its parents, depths and mask, over random grown trees of every shape."""
     rng = np.random.default_rng(0)
     for _ in range(40):
         K, beam, size = int(rng.integers(1, 8)), int(rng.integers(1, 5)), int(rng.integers(1, 20))
@@ -64,12 +77,13 @@ def test_the_tree_chosen_on_the_device_is_the_hosts():
         steps = mx.array(rng.standard_normal((K, 8, 8)).astype(np.float32) * 2)
         ids = mx.array(rng.integers(0, 100, (K, 8)).astype(np.uint32))
         grown = grow_tree(first, lambda d, p: steps[d][p], ids, beam)  # noqa: B023
-        host = select_tree(*(np.array(a) for a in grown), size)
-        lazy = select_tree_lazy(*grown, size)
+        host = select_on_host(*(np.array(a) for a in grown), size)
+        lazy = select_tree(*grown, size)
         assert np.array(lazy.tokens).tolist() == host.tokens
         assert np.array(lazy.parents).tolist() == host.parents
         assert np.array(lazy.depths).tolist() == host.depths()
         assert (np.array(lazy.visible) == host.visible()).all()
+        assert np.allclose(np.array(lazy.scores), host.scores, rtol=1e-5)
 
 
 def test_a_child_tying_its_parent_comes_after_it():
@@ -80,7 +94,7 @@ def test_a_child_tying_its_parent_comes_after_it():
     parents = mx.array([1, -1, -1, 1], dtype=mx.int32)
     scores = mx.array([-20.0, -20.0, -30.0, -40.0])
     for size, want in [(1, [10]), (2, [10, 12]), (3, [10, 12, 11])]:
-        lazy = select_tree_lazy(tokens, parents, scores, size)
+        lazy = select_tree(tokens, parents, scores, size)
         assert np.array(lazy.tokens).tolist() == want
         assert np.array(lazy.parents).tolist() == [-1, 0, -1][:size]
 
