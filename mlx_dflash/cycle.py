@@ -183,7 +183,8 @@ class Speculator:
         if sizer is not None:  # its size sets the pass's shape: the scores are read first
             scores = tree.scores.tolist()
             tree = tree.first(sizer(np.array(scores)))
-        choices, features = self.tree_pass(anchor, tree.tokens, tree.depths, tree.visible)
+        choices, features = self.tree_pass(anchor, tree.tokens, tree.depths, tree.visible,
+                                           min(len(tree), self.drafter.max_drafts))
         packed = mx.concatenate([choices, tree.tokens.astype(mx.uint32),
                                  (tree.parents + 1).astype(mx.uint32)])
         return TreeCycle(anchor, len(tree), TREE, packed, choices, features,
@@ -196,13 +197,13 @@ class Speculator:
                                            tree.depths(), tree.visible())
         return TreeCycle(anchor, len(tree), source, choices, choices, features, tree=tree)
 
-    def tree_pass(self, anchor: mx.array, nodes: mx.array, depths: Any, visible: Any
-                  ) -> tuple[mx.array, mx.array | None]:
+    def tree_pass(self, anchor: mx.array, nodes: mx.array, depths: Any, visible: Any,
+                  max_depth: int | None = None) -> tuple[mx.array, mx.array | None]:
         """One target pass over the anchor and a tree's nodes (a tree mask): the target's
         choice after each row, and the pass's tap features."""
         logits, features = self.target.forward_tree(
             mx.concatenate([anchor, nodes.astype(mx.uint32)])[None], depths, visible,
-            self.cache, self.layer_ids)
+            self.cache, self.layer_ids, max_depth)
         return target_choices(logits[0], self.params), features
 
     def feed(self, cycle: Cycle) -> None:

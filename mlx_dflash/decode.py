@@ -193,9 +193,8 @@ def _check_tree(target: Target, drafter: Drafter | None, size: int | str) -> Non
                          "DSpark)")
     reason = target.why_no_trees()
     if reason is not None:
-        raise ValueError(f"tree drafts need a target whose layers are all full or "
-                         f"sliding-window attention with plain KV or sliding-window caches; "
-                         f"model type '{target.model_type}': {reason}")
+        raise ValueError(f"tree drafts need a target that takes tree passes; model type "
+                         f"'{target.model_type}': {reason}")
 
 
 def stream_generate(

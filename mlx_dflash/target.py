@@ -25,10 +25,13 @@ the length of the pass each attention layer's rotary embedding is swapped for on
 every token by its own position, and the pass gets a tree attention mask. Afterwards the KV
 caches keep the anchor's and the accepted path's rows, moved to consecutive slots
 (``keep_rows``; a sliding window's buffer is then cut as after a partial accept). Sliding-window
-layers get a tree mask limited to their window. Targets with full and sliding-window attention
-take tree passes (``tree_ready``), checked against ordinary passes on first use (with a
-context that wraps the window); recurrent (Gated DeltaNet) layers do not: their state follows
-one sequence.
+layers get a tree mask limited to their window. A recurrent (Gated DeltaNet) layer's state
+follows one sequence, so it reads the pass as paths: row i's path (the anchor, i's ancestors,
+i) is one batch row with its own copy of the state, right-padded to the deepest; row i's output
+is its path's last, and the accepted path's state is the one its own batch row ends with (a
+length per row, mlx-lm's right padding, stops each state at its path's end). Every family the
+table covers takes tree passes (``tree_ready``), checked on first use against ordinary passes
+and a continuation after ``keep_rows`` (with a context that wraps the window).
 """
 
 from __future__ import annotations
@@ -139,6 +142,30 @@ def _recurrent_layer_per_position(
     return h + layer.mlp(layer.post_attention_layernorm(h)), states
 
 
+@dataclass
+class _TreePaths:
+    """A tree pass as a recurrent layer reads it: ``rows`` [L, D], row i's path (the anchor
+    first, padded with the anchor after i); ``depths`` [L], where each path ends."""
+
+    rows: mx.array
+    depths: mx.array
+
+
+def _recurrent_layer_on_paths(layer: nn.Module, h: mx.array, paths: _TreePaths,
+                              cache: ArraysCache) -> tuple[mx.array, ArraysCache]:
+    """The layer's output on a tree pass's rows [1, L, D], each row after its own path, and
+    the cache after each row's path (batch row i: row i's). ``cache`` is left as it was."""
+    L = paths.rows.shape[0]
+    x = layer.input_layernorm(h)[0][paths.rows]  # [L, D, hidden]
+    on_paths = ArraysCache(len(cache.cache))
+    on_paths.cache = [None if a is None else mx.repeat(a, L, axis=0) for a in cache.cache]
+    on_paths.lengths = paths.depths + 1
+    out = layer.linear_attn(x, on_paths.make_mask(x.shape[1]), on_paths)
+    on_paths.lengths = None
+    h = h + out[mx.arange(L), paths.depths][None]
+    return h + layer.mlp(layer.post_attention_layernorm(h)), on_paths
+
+
 # -- what rolling back a pass needs -------------------------------------------------------------
 @dataclass
 class _RecurrentRecord:
@@ -147,6 +174,7 @@ class _RecurrentRecord:
     before: list[Any]  # the cache arrays before the pass (references: arrays are immutable)
     inputs: mx.array | None = None  # replay: the layer's inputs in the pass
     states: list[list[Any]] | None = None  # per position: the cache arrays after each one
+    paths: ArraysCache | None = None  # a tree pass: the cache after each row's path
 
     def restore(self, kept: int) -> None:
         """Set the cache to its state after the first ``kept`` positions of the pass."""
@@ -177,11 +205,16 @@ class _RecurrentRecord:
             _replay_recurrent(self.layer, self.inputs[:, :longest], self.cache)
             self.cache.lengths = None
 
+    def keep_path(self, row: int) -> None:
+        """After a tree pass: set the cache to its state after row ``row``'s path."""
+        self.cache.cache = [None if a is None else a[row : row + 1] for a in self.paths.cache]
+
     @property
     def nbytes(self) -> int:
         """Bytes this record keeps alive beyond the cache itself (the last per-position state
         is the cache's own)."""
         kept = list(self.before) + ([self.inputs] if self.inputs is not None else [])
+        kept += [a for a in self.paths.cache] if self.paths is not None else []
         for state in (self.states or [])[:-1]:
             kept += state
         return sum(a.nbytes for a in kept if a is not None)
@@ -476,6 +509,9 @@ class Target:
     ) -> mx.array:
         record = _RecurrentRecord(layer, cache, list(cache.cache))
         records.append(record)
+        if isinstance(mask, _TreePaths):
+            h, record.paths = _recurrent_layer_on_paths(layer, h, mask, cache)
+            return h
         if self.recurrent_rollback == PER_POSITION and mask is None:
             h, record.states = _recurrent_layer_per_position(layer, h, cache)
             return h
@@ -528,21 +564,22 @@ class Target:
         return self.why_no_trees() is None
 
     def why_no_trees(self) -> str | None:
-        """None when this target takes tree passes: every layer full or sliding-window
-        attention with a plain KV or sliding-window cache and a rotary embedding this module
-        can place token by token, and a tree pass equal to ordinary passes (checked once per
-        model); else the reason."""
+        """None when this target takes tree passes: its attention layers have plain KV or
+        sliding-window caches and a rotary embedding this module can place token by token,
+        its recurrent layers a Gated DeltaNet state, and a tree pass equals ordinary passes
+        (checked once per model); else the reason."""
         model, key = self.model, id(self.model)
         known = _tree_refusals.get(key)
         if known is not None and known[0]() is model:
             return known[1] or None
-        if RECURRENT in self.layer_kinds:
-            reason = "it has recurrent (Gated DeltaNet) layers, whose state follows one sequence"
-        elif not all(type(c) is KVCache or type(c) is RotatingKVCache and c.keep == 0
-                     for c in make_prompt_cache(model)):
+        attention = [i for i, kind in enumerate(self.layer_kinds) if kind != RECURRENT]
+        caches = make_prompt_cache(model)
+        if not all(type(caches[i]) is KVCache
+                   or type(caches[i]) is RotatingKVCache and caches[i].keep == 0
+                   for i in attention):
             reason = "its caches are not plain KV or sliding-window caches"
-        elif not all(hasattr(getattr(layer, "self_attn", None), "rope")
-                     for layer in self.inner.layers):
+        elif not all(hasattr(getattr(self.inner.layers[i], "self_attn", None), "rope")
+                     for i in attention):
             reason = "its attention layers have no rotary embedding to place tokens with"
         elif not self._tree_matches():
             reason = "a tree pass does not match ordinary passes on it"
@@ -553,36 +590,49 @@ class Target:
         return reason or None
 
     def forward_tree(self, tokens: mx.array, depths: Sequence[int] | mx.array, visible: Any,
-                     cache: list[Any], layer_ids: Sequence[int] = ()
-                     ) -> tuple[mx.array, mx.array | None]:
+                     cache: list[Any], layer_ids: Sequence[int] = (),
+                     max_depth: int | None = None) -> tuple[mx.array, mx.array | None]:
         """Logits [1, L, V] and tap features of a tree pass: ``tokens`` [1, L] (the anchor,
         then the nodes), row i at position ``offset + depths[i]`` and seeing the cached context
-        and the rows ``visible[i]`` ([L, L] bool) marks. Follow with ``keep_rows``."""
+        and the rows ``visible[i]`` ([L, L] bool) marks. Follow with ``keep_rows``.
+        ``max_depth``: a bound on the depths where they are device arrays (recurrent layers
+        read paths that long; default L - 1)."""
+        if max_depth is None:
+            max_depth = tokens.shape[1] - 1 if isinstance(depths, mx.array) else max(depths)
         positions = (depths if isinstance(depths, mx.array) else mx.array(list(depths))
                      ).astype(mx.int32)
-        masks = self._tree_masks(positions, mx.array(visible).astype(mx.bool_), cache)
-        attentions = [layer.self_attn for layer in self.inner.layers]
+        masks = self._tree_masks(positions, mx.array(visible).astype(mx.bool_), cache,
+                                 max_depth)
+        attentions = [layer.self_attn for layer, kind in zip(self.inner.layers, self.layer_kinds)
+                      if kind != RECURRENT]
         ropes = [a.rope for a in attentions]
         for a, rope in zip(attentions, ropes):
             a.rope = _DepthRope(rope, positions)
         try:
-            h, features = self.hidden_states(tokens, cache, layer_ids, mask=masks)
+            h, features = self.hidden_states(tokens, cache, layer_ids, record=True, mask=masks)
         finally:
             for a, rope in zip(attentions, ropes):
                 a.rope = rope
         return self.lm_head(h), features
 
-    def _tree_masks(self, positions: mx.array, visible: mx.array, cache: list[Any]
-                    ) -> list[mx.array]:
-        """Each layer's mask for a tree pass: [L, held + L], the keys its cache returns (what
-        it held, then the pass's rows). Full attention sees all it held; a sliding window
-        sees the keys less than a window before the row's position, and of the pass's rows
-        its ancestors within the window."""
-        offset = cache[0].offset
+    def _tree_masks(self, positions: mx.array, visible: mx.array, cache: list[Any],
+                    max_depth: int) -> list[Any]:
+        """Each layer's mask for a tree pass. Attention: [L, held + L], the keys its cache
+        returns (what it held, then the pass's rows); full attention sees all it held, a
+        sliding window the keys less than a window before the row's position and of the
+        pass's rows its ancestors within the window. Recurrent: each row's path."""
         L = positions.shape[0]
         masks = {}
         for kind, i in self._first_of_kind.items():
             c = cache[i]
+            if kind == RECURRENT:
+                # path[i, d]: the row at depth d that row i sees (the anchor past i's depth)
+                at_depth = visible[:, None, :] & (
+                    positions[None, None, :] == mx.arange(max_depth + 1)[None, :, None])
+                masks[kind] = _TreePaths(mx.argmax(at_depth.astype(mx.int32), axis=-1),
+                                         positions)
+                continue
+            offset = c.offset
             if kind == FULL:
                 masks[kind] = mx.concatenate([mx.ones((L, offset), dtype=mx.bool_), visible],
                                              axis=1)
@@ -599,12 +649,15 @@ class Target:
     @staticmethod
     def keep_rows(cache: list[Any], rows: Sequence[int]) -> None:
         """After a tree pass: keep only ``rows`` of it (row 0 the anchor, then the accepted
-        path's), in consecutive slots; drop the rest."""
+        path's), in consecutive slots; drop the rest. Recurrent layers take the state after
+        the last row's path."""
         L = cache.last_pass.num_tokens
         n = len(rows)
         moved = list(rows) != list(range(n))
         picked = mx.array(list(rows), dtype=mx.int32)
         for c in cache:
+            if isinstance(c, ArraysCache):
+                continue
             # where the pass's rows start: a sliding-window buffer is left in temporal order
             # by a multi-token pass, ending with them
             start = c.keys.shape[2] - L if isinstance(c, RotatingKVCache) else c.offset - L
@@ -615,6 +668,8 @@ class Target:
                 _trim_rotating(c, L - n, L)
             else:
                 c.offset -= L - n
+        for record in cache.last_pass.recurrent or []:
+            record.keep_path(rows[-1])
         cache.last_pass = None
 
     def _tree_matches(self) -> bool:
@@ -630,14 +685,20 @@ class Target:
             self.hidden_states(context, cache, ())
             return cache
 
+        tree_cache, side_cache = after_context(), after_context()
         got = self.forward_tree(tree_tokens, [0, 1, 2, 1],
                                 [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]],
-                                after_context())[0][0]
+                                tree_cache)[0][0]
         chain = self.forward(tree_tokens[:, :3], after_context())[0][0]
-        side = self.forward(mx.array([[4, 7]], dtype=mx.uint32), after_context())[0][0]
-        want = mx.concatenate([chain, side[1:]]).astype(mx.float32)
+        side = self.forward(mx.array([[4, 7]], dtype=mx.uint32), side_cache)[0][0]
+        # keeping the side branch (anchor, 7), the caches continue as the side's own pass
+        self.keep_rows(tree_cache, [0, 3])
+        after = mx.array([[8, 9]], dtype=mx.uint32) % self.vocab_size
+        got = mx.concatenate([got, self.forward(after, tree_cache)[0][0]])
+        want = mx.concatenate([chain, side[1:], self.forward(after, side_cache)[0][0]])
         tol = 1e-3 if self.dtype == mx.float32 else 3e-2  # half precision: ops in other orders
-        return mx.allclose(got.astype(mx.float32), want, atol=tol, rtol=tol).item()
+        return mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol,
+                           rtol=tol).item()
 
     # -- load-time checks --------------------------------------------------------------------
     def _check_caches(self) -> None:

@@ -130,9 +130,13 @@ def test_the_walk_follows_the_target_down_any_branch():
     assert tree.walk([10, 20, 30, 0, 9, 0]) == ([1, 2, 4], 9)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_a_tree_pass_equals_ordinary_passes(tied):
-    model = make_target("qwen3", tied=tied, seed=3)
+@pytest.mark.parametrize("family,tied", [("qwen3", False), ("qwen3", True),
+                                         ("qwen3_next", True), ("qwen3_5", True)])
+def test_a_tree_pass_equals_ordinary_passes(family, tied):
+    """Each row's logits are its own path's, run as a chain (Gated DeltaNet layers included);
+    after keeping a side branch the caches continue as that branch's own pass."""
+    model = (make_target(family, tied=tied, seed=3) if family == "qwen3"
+             else make_family_target(family, seed=3, scale=1.0))
     target = Target(model)
     assert target.tree_ready
     context = mx.array([[5, 9, 14, 3]], dtype=mx.uint32)
@@ -273,9 +277,10 @@ def test_sampled_trees_follow_the_target(temperature, top_p, top_k, tree):
     assert accepted > 0
 
 
-def test_targets_without_tree_passes_are_refused_clearly():
-    model = make_family_target("qwen3_next", seed=1)  # Gated DeltaNet layers
-    with pytest.raises(ValueError, match="Gated DeltaNet"):
+def test_targets_without_tree_passes_are_refused_clearly(monkeypatch):
+    model = make_target("qwen3", seed=5)
+    monkeypatch.setattr(Target, "_tree_matches", lambda self: False)
+    with pytest.raises(ValueError, match="does not match ordinary passes"):
         generate(model, make_drafter(model, block_size=4), make_tokenizer(128), [5, 6, 7],
                  max_tokens=4, tree=4)
     model = make_target("qwen3")
@@ -387,6 +392,36 @@ def test_sampled_trees_on_a_sliding_window_target_follow_it():
     """A window of 2 positions, wrapped within the 7 tokens the test samples over."""
     model = make_family_target("gemma3_text", vocab_size=V, hidden_size=32, seed=3, scale=1.5,
                                window=2)
+    drafter = make_drafter(model, block_size=4, layer_ids=(0, 1), mask_token_id=2, seed=7)
+    joint, marginal4 = exact_joint(model, SamplingParams(1.0))
+    counts, counts4, accepted, _ = sample_runs(model, drafter, 5, tree=5, temperature=1.0)
+    assert_follows(counts, counts4, joint, marginal4)
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_greedy_trees_on_gated_deltanet_targets(family, monkeypatch):
+    """Hybrid targets (Gated DeltaNet + full attention): the recurrent layers read each row's
+    path, and keep the accepted path's state; the output is the target's, with accepted paths
+    on side branches."""
+    side = record_side_branches(monkeypatch)
+    model = make_family_target(family, seed=1)
+    assert Target(model).tree_ready
+    tok = make_tokenizer(128)
+    prompt = [5, 9, 14, 3, 9, 14, 22, 8, 11, 4, 6]
+    want, _ = reference(model, prompt, 30)
+    text = Target(model, check=False).model  # qwen3_5: the language model in its wrapper
+    drafter = TreeOracle(make_drafter(text, block_size=6), prompt + want)
+    out = []
+    for r in stream_generate(model, drafter, tok, prompt, max_tokens=30, tree=8,
+                             copy_drafts=False):
+        out += r.tokens
+    assert out == want
+    assert any(side)
+
+
+def test_sampled_trees_on_a_gated_deltanet_target_follow_it():
+    model = make_family_target("qwen3_next", vocab_size=V, hidden_size=32, seed=3, scale=1.5)
     drafter = make_drafter(model, block_size=4, layer_ids=(0, 1), mask_token_id=2, seed=7)
     joint, marginal4 = exact_joint(model, SamplingParams(1.0))
     counts, counts4, accepted, _ = sample_runs(model, drafter, 5, tree=5, temperature=1.0)
