@@ -16,6 +16,13 @@ attention and sliding windows, stacked states for recurrent layers). A step:
    for the whole batch, and each row keeps only its accepted prefix in the batch cache;
 5. commits each request's tokens, and lets the finished and cancelled ones leave.
 
+With ``tree``, a request that drafts verifies a tree of drafts instead of a chain (tree.py):
+the pass becomes a tree pass for every row (chains and looked-up blocks as trees of width one,
+each row with its own tree mask and depths) and each row keeps its anchor and accepted path.
+``tree="auto"`` grows TREE_MAX nodes per drafting request and verifies, across all requests,
+the nodes that raise the batch's expected committed tokens per second most
+(``schedule.plan_nodes``: one ranking of every request's nodes against the pass's cost).
+
 Requests join and leave between steps without stalling the others. Greedy output equals each
 request's own greedy decode; sampled output follows the target's distribution per request.
 Sliding-window and Gated DeltaNet layers roll each row back as a single generation does (the
@@ -31,21 +38,26 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .accept import RandomStream, SamplingParams, sample_first
 from .batch_cache import BatchNotSupported, make_batch_cache  # noqa: F401 (re-exported)
 from .cycle import (
-    DEFAULT_PREFILL_STEP, DRAFTER, PLAIN, Cycle, Speculator, accepted_cycle, prefill,
+    DEFAULT_PREFILL_STEP, DRAFTER, PLAIN, TREE, Cycle, Speculator, TreeCycle, accepted_cycle,
+    prefill,
 )
-from .decode import GenerationResponse, GenerationStats, TextStream, continue_from
+from .decode import GenerationResponse, GenerationStats, TextStream, check_tree, continue_from
 from .drafters import check_fits
 from .drafters.base import Drafter, Proposal, drafting, propose_all, verify_width
 from .policy import COPY_DRAFTS, COPY_NGRAM, BlockPolicy
 from .prefix_cache import PrefixCache
 from .prompts import encode_prompt
-from .schedule import cached_batch_costs, kv_bytes_per_position, memory_headroom, plan_batch
+from .schedule import (
+    cached_batch_costs, kv_bytes_per_position, memory_headroom, plan_batch, plan_nodes,
+)
 from .target import as_target
+from .tree import AUTO, TREE_MAX, LazyTree, target_choices
 
 
 @dataclass
@@ -93,10 +105,14 @@ class BatchEngine:
                  max_batch: int = 8, block_size: int | None = None, schedule: bool = True,
                  copy_drafts: bool = COPY_DRAFTS, copy_ngram: int = COPY_NGRAM,
                  prefill_step_size: int = DEFAULT_PREFILL_STEP, reserve_bytes: int = 256 << 20,
-                 prefix_cache: PrefixCache | None = None, prefill_chunk: int = 256):
+                 prefix_cache: PrefixCache | None = None, prefill_chunk: int = 256,
+                 tree: int | str | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.target = as_target(model)
+        if tree is not None:
+            check_tree(self.target, drafter, tree)
+        self.tree = tree
         # One batch cache per layer, of its kind; BatchNotSupported for a kind it cannot hold.
         self.cache = make_batch_cache(self.target)
         if drafter is not None:
@@ -109,7 +125,9 @@ class BatchEngine:
                           else TokenizerWrapper(tokenizer))
         self.auto = block_size is None and schedule
         # One verify budget across the batch (measured once per model pair and machine).
-        self.costs = (cached_batch_costs(self.target, self.drafter, self.width)
+        # (tree="auto": timed as wide as its trees verify)
+        self.costs = (cached_batch_costs(self.target, self.drafter, max(
+            self.width, TREE_MAX + 1 if self.tree == AUTO else 0))
                       if self.auto and self.drafter is not None else None)
         self.copy_drafts, self.copy_ngram = copy_drafts, copy_ngram
         self.max_batch, self.prefill_step = max_batch, prefill_step_size
@@ -207,7 +225,8 @@ class BatchEngine:
         store when there is one)."""
         tic = time.perf_counter()
         r.policy = BlockPolicy.for_request(self.target, self.drafter, self.width, r.tokens,
-                                           self.auto, self.copy_drafts, self.copy_ngram)
+                                           self.auto, self.copy_drafts, self.copy_ngram,
+                                           size_trees=self.tree == AUTO)
         pair = None
         if self.store is not None:
             pair, _ = continue_from(self.store, r.tokens, self.target, self.drafter,
@@ -240,18 +259,13 @@ class BatchEngine:
     def _cycle(self, responses: list) -> None:
         """One batched draft -> verify -> accept over every running request."""
         plans = self._plan()
-        proposals = self._draft(plans)
-        width = 1 + max(p.drafts.shape[0] for p in proposals)
-        rows = [mx.concatenate([r.anchor, p.drafts, mx.zeros((width - 1 - p.drafts.shape[0],),
-                                                             dtype=mx.uint32)])
-                for r, p in zip(self.running, proposals)]
-        logits, features = self.target.forward(mx.stack(rows), self.cache, self.layer_ids)
-        cycles: list[Cycle] = []
-        for i, (r, p, (_, _, source)) in enumerate(zip(self.running, proposals, plans)):
-            n = p.drafts.shape[0] + 1
-            row_features = features[i : i + 1, :n] if features is not None else None
-            cycles.append(accepted_cycle(r.anchor, p, logits[i, :n], row_features, r.params,
-                                         source))
+        trees = self._grow_trees(plans) if self.tree else {}
+        scores: dict[int, list[float]] = {}
+        if trees and self.tree == AUTO:
+            plans, scores = self._size_trees(plans, trees)
+        proposals = self._draft(plans, skip=trees)
+        cycles = (self._tree_pass(proposals, trees, scores, plans) if trees
+                  else self._chain_pass(proposals, plans))
         # The one host sync of the batch's cycle (confidences too: the schedulers read them).
         mx.eval([c.packed for c in cycles] + [c.confidence for c in cycles
                                               if c.confidence is not None])
@@ -259,19 +273,125 @@ class BatchEngine:
         for r, cycle in zip(self.running, cycles):
             accepted, tokens = cycle.resolve()
             r.policy.observe(cycle, accepted)
-            r.spec.queue_features(cycle, accepted)
+            if isinstance(cycle, TreeCycle):
+                r.spec.backlog.append(cycle.features[:, mx.array(cycle.kept)])
+                kept.append(cycle.kept)
+            else:
+                r.spec.queue_features(cycle, accepted)
+                kept.append(list(range(accepted + 1)))
             r.anchor = cycle.next_tokens[accepted : accepted + 1]
             r.stats.record(cycle, accepted)
-            kept.append(accepted + 1)
             self._commit(r, tokens, accepted, responses)
-        self.cache.commit(kept)  # recurrent rows: restored from the pass's record
+        if trees:
+            self.cache.commit_rows(kept)
+        else:
+            self.cache.commit([len(k) for k in kept])  # recurrent rows: restored from the record
         self.cache.compact()  # when the rejected tails' holes take up a quarter of the slots
 
-    def _draft(self, plans: list[tuple[int, list[int], str]]) -> list[Proposal]:
+    def _chain_pass(self, proposals: list[Proposal], plans: list) -> list[Cycle]:
+        """One target pass over every row's ``[anchor] + drafts``, right-padded."""
+        width = 1 + max(p.drafts.shape[0] for p in proposals)
+        rows = [mx.concatenate([r.anchor, p.drafts, mx.zeros((width - 1 - p.drafts.shape[0],),
+                                                             dtype=mx.uint32)])
+                for r, p in zip(self.running, proposals)]
+        logits, features = self.target.forward(mx.stack(rows), self.cache, self.layer_ids)
+        return [self._chain_cycle(i, r, p, source, logits, features)
+                for i, (r, p, (_, _, source)) in enumerate(zip(self.running, proposals, plans))]
+
+    def _chain_cycle(self, i: int, r: _Request, p: Proposal, source: str, logits: mx.array,
+                     features: mx.array | None) -> Cycle:
+        n = p.drafts.shape[0] + 1
+        row_features = features[i : i + 1, :n] if features is not None else None
+        return accepted_cycle(r.anchor, p, logits[i, :n], row_features, r.params, source)
+
+    def _tree_pass(self, proposals: list[Proposal | None], trees: dict[int, LazyTree],
+                   scores: dict[int, list[float]], plans: list) -> list[Cycle]:
+        """One tree pass over every row: the drafting requests' trees, the others' blocks as
+        chains, each padded with children of its anchor that nothing sees."""
+        sizes = [len(trees[i]) if i in trees else p.drafts.shape[0]
+                 for i, p in enumerate(proposals)]
+        W = 1 + max(sizes)
+        tokens, depths, visible = [], [], []
+        for i, (r, p, n) in enumerate(zip(self.running, proposals, sizes)):
+            if i in trees:
+                nodes, row_depths, seen = trees[i].tokens, trees[i].depths, trees[i].visible
+            else:
+                nodes, row_depths = p.drafts, mx.arange(n + 1)
+                seen = mx.tril(mx.ones((n + 1, n + 1), dtype=mx.bool_))
+            pad = W - 1 - n
+            slot = mx.arange(W)
+            padding = (slot > n)[:, None] & ((slot[None] == 0) | (slot[:, None] == slot[None]))
+            tokens.append(mx.concatenate([r.anchor, nodes.astype(mx.uint32),
+                                          mx.zeros((pad,), dtype=mx.uint32)]))
+            depths.append(mx.concatenate([row_depths.astype(mx.int32),
+                                          mx.ones((pad,), dtype=mx.int32)]))
+            visible.append(mx.pad(seen.astype(mx.bool_), [(0, pad), (0, pad)]) | padding)
+        logits, features = self.target.forward_tree(
+            mx.stack(tokens), mx.stack(depths), mx.stack(visible), self.cache, self.layer_ids,
+            max_depth=min(W - 1, max(self.width - 1, self.drafter.max_drafts)))
+        cycles = []
+        for i, (r, p, (_, _, source)) in enumerate(zip(self.running, proposals, plans)):
+            if i not in trees:
+                cycles.append(self._chain_cycle(i, r, p, source, logits, features))
+                continue
+            tree, n = trees[i], sizes[i]
+            choices = target_choices(logits[i, : n + 1], r.params)
+            packed = mx.concatenate([choices, tree.tokens.astype(mx.uint32),
+                                     (tree.parents + 1).astype(mx.uint32)])
+            row_features = features[i : i + 1, : n + 1] if features is not None else None
+            cycles.append(TreeCycle(r.anchor, n, TREE, packed, choices, row_features,
+                                    scores=scores.get(i)))
+        return cycles
+
+    def _grow_trees(self, plans: list[tuple[int, list[int], str]]) -> dict[int, LazyTree]:
+        """The drafting requests' trees (tree mode): ``tree`` nodes each, or TREE_MAX to be
+        sized across the batch (tree="auto")."""
+        size = TREE_MAX if self.tree == AUTO else self.tree
+        return {i: self.running[i].spec.grow_tree(self.running[i].anchor, size)
+                for i, (K, block, _) in enumerate(plans) if K and not block}
+
+    def _size_trees(self, plans: list, trees: dict[int, LazyTree]
+                    ) -> tuple[list, dict[int, list[float]]]:
+        """tree="auto": how many nodes of each tree (cut in place), and of each looked-up
+        block, one pass verifies, ranked together by survival against the batched pass's
+        cost; one sync reads the trees' scores. A tree cut to no node leaves its request a
+        plain step. Returns the plans and the kept nodes' scores."""
+        scores = {i: t.scores.tolist() for i, t in trees.items()}
+        survival = []
+        for i, (r, (_, block, _)) in enumerate(zip(self.running, plans)):
+            if i in trees:
+                survival.append(r.policy.tree_sizer.survival(np.array(scores[i])))
+            elif block and r.policy.scheduler is not None:
+                survival.append(r.policy.scheduler.lookup_survival()[: len(block)])
+            else:
+                survival.append(np.zeros(len(block)))
+        counts = plan_nodes(survival, [bool(b) for _, b, _ in plans], self.cache.slots,
+                            self.costs) if self.costs is not None else [
+            r.policy.tree_sizer.choose(np.array(scores[i]), r.context) if i in trees
+            else len(plans[i][1]) for i, r in enumerate(self.running)]
+        sized = []
+        for i, (n, (K, block, source)) in enumerate(zip(counts, plans)):
+            if i in trees:
+                if n:
+                    trees[i], scores[i] = trees[i].first(n), scores[i][:n]
+                else:
+                    del trees[i], scores[i]
+                    K, source = 0, PLAIN
+            elif block:
+                block = block[:n]
+                K = n
+                source = source if n else PLAIN
+            sized.append((K, block, source))
+        return sized, scores
+
+    def _draft(self, plans: list[tuple[int, list[int], str]], skip: Any = ()
+               ) -> list[Proposal | None]:
         """Each running request's block: the drafter's for all that draft in one pass (its
-        weights read once), looked-up blocks and empty ones as a single generation has them."""
+        weights read once), looked-up blocks and empty ones as a single generation has them.
+        None for the rows in ``skip`` (they verify trees)."""
         proposals: list[Proposal | None] = [None] * len(plans)
-        drafting = [i for i, (K, block, _) in enumerate(plans) if K and not block]
+        drafting = [i for i, (K, block, _) in enumerate(plans)
+                    if K and not block and i not in skip]
         if drafting:
             rows = [self.running[i] for i in drafting]
             for r in rows:
@@ -281,8 +401,8 @@ class BatchEngine:
                                 [plans[i][0] for i in drafting], [r.params for r in rows])
             for i, p in zip(drafting, batch):
                 proposals[i] = p
-        return [p if p is not None else r.spec.draft(r.anchor, K, block)
-                for p, r, (K, block, _) in zip(proposals, self.running, plans)]
+        return [p if p is not None or i in skip else r.spec.draft(r.anchor, K, block)
+                for i, (p, r, (K, block, _)) in enumerate(zip(proposals, self.running, plans))]
 
     def _plan(self) -> list[tuple[int, list[int], str]]:
         """Each running request's (drafts, looked-up block, source). Alone, a request plans as

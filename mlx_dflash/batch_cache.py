@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from .target import (
@@ -85,6 +86,22 @@ class RaggedKVCache:
         recent = positions[:, None, :] > queries[:, :, None] - window_size  # [rows, N, T]
         return mask & recent[:, None]
 
+    def tree_mask(self, positions: mx.array, visible: mx.array, window: int | None
+                  ) -> mx.array:
+        """[rows, 1, L, _idx + L] for a tree pass (tree.py): the row's held slots (with
+        ``window``, those less than a window before each query's position), and of the pass's
+        rows those ``visible`` [rows, L, L] marks (within the window)."""
+        held = self.valid[:, None, : self._idx]  # [rows, 1, _idx]
+        own = visible
+        if window is not None:
+            held_positions = self.base[:, None] + mx.cumsum(held[:, 0].astype(mx.int32), 1) - 1
+            queries = self.offset[:, None] + positions  # [rows, L]
+            held = held & (held_positions[:, None, :] > queries[:, :, None] - window)
+            own = own & (positions[:, :, None] - positions[:, None, :] < window)
+        L = positions.shape[1]
+        held = mx.broadcast_to(held, (self.rows, L, self._idx))
+        return mx.concatenate([held, own], axis=2)[:, None]
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         S = keys.shape[2]
         self._reserve(self._idx + S, keys, values)
@@ -105,6 +122,19 @@ class RaggedKVCache:
         self.valid[:, start : start + S] = mx.arange(S)[None, :] < keep[:, None]
         self.offset = offset + keep
         self.lengths = [n + k for n, k in zip(self.lengths, kept)]
+        self._pass = None
+
+    def commit_rows(self, kept: Sequence[Sequence[int]]) -> None:
+        """After a batched tree pass: row i keeps the pass's rows ``kept[i]`` (the anchor and
+        its accepted path: in slot order, their positions in order)."""
+        start, offset = self._pass
+        S = self._idx - start
+        keep = np.zeros((self.rows, S), dtype=bool)
+        for i, rows in enumerate(kept):
+            keep[i, list(rows)] = True
+        self.valid[:, start : start + S] = mx.array(keep)
+        self.offset = offset + mx.array([len(r) for r in kept], dtype=mx.int32)
+        self.lengths = [n + len(r) for n, r in zip(self.lengths, kept)]
         self._pass = None
 
     def discard(self) -> None:
@@ -243,6 +273,9 @@ class BatchRecurrentCache(ArraysCache):
     def commit(self, kept: Sequence[int]) -> None:
         """Nothing of its own: the pass's record restores the states (BatchTargetCache)."""
 
+    def commit_rows(self, kept: Sequence[Sequence[int]]) -> None:
+        """Likewise, after a tree pass."""
+
     def discard(self) -> None:
         """Likewise (BatchTargetCache)."""
 
@@ -267,6 +300,16 @@ class BatchTargetCache(TargetCache):
         for layer in self:
             layer.commit(kept)
         self.last_pass = None  # the record keeps the pass's inputs alive
+
+    def commit_rows(self, kept: Sequence[Sequence[int]]) -> None:
+        """After a batched tree pass (``Target.forward_tree``): row ``i`` keeps the pass's
+        rows ``kept[i]``, its anchor and accepted path, in every layer (recurrent rows take
+        the state after that path)."""
+        for record in self._recurrent_records():
+            record.keep_paths([rows[-1] for rows in kept])
+        for layer in self:
+            layer.commit_rows(kept)
+        self.last_pass = None
 
     def discard(self) -> None:
         """Forget the last pass entirely."""

@@ -21,7 +21,7 @@ from .accept import SamplingParams, accept_block, point_mass
 from .drafters.base import Drafter, Proposal
 from .pair_cache import PairCache
 from .target import Target
-from .tree import TREE_BEAM, DraftTree, select_tree, target_choices
+from .tree import TREE_BEAM, DraftTree, LazyTree, select_tree, target_choices
 
 DEFAULT_PREFILL_STEP = 2048
 
@@ -176,10 +176,7 @@ class Speculator:
         ``sizer(scores)`` of them), grown by the drafter (its ``grow_tree``) and chosen on the
         device: with a fixed size the cycle syncs once, as a chain cycle does; a ``sizer``
         reads the nodes' scores on the host first (one more sync)."""
-        self.catch_up()
-        grown = self.drafter.grow_tree(self.target, anchor, self.draft_cache, self.width,
-                                       TREE_BEAM)
-        tree, scores = select_tree(*grown, size), []
+        tree, scores = self.grow_tree(anchor, size), []
         if sizer is not None:  # its size sets the pass's shape: the scores are read first
             scores = tree.scores.tolist()
             tree = tree.first(sizer(np.array(scores)))
@@ -189,6 +186,13 @@ class Speculator:
                                  (tree.parents + 1).astype(mx.uint32)])
         return TreeCycle(anchor, len(tree), TREE, packed, choices, features,
                          scores=scores[: len(tree)])
+
+    def grow_tree(self, anchor: mx.array, size: int) -> LazyTree:
+        """The drafter's ``size`` likeliest nodes below ``anchor``, chosen on the device."""
+        self.catch_up()
+        grown = self.drafter.grow_tree(self.target, anchor, self.draft_cache, self.width,
+                                       TREE_BEAM)
+        return select_tree(*grown, size)
 
     def verify_tree(self, anchor: mx.array, tree: DraftTree, source: str = TREE) -> TreeCycle:
         """A cycle verifying a tree known on the host; ``source``: TREE (the drafter's) or

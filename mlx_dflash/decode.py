@@ -185,7 +185,7 @@ def _check_request(model: Any, drafter: Drafter | None, tokenizer: Any, max_toke
     return target, drafting(drafter, block_size, schedule), tokenizer, width
 
 
-def _check_tree(target: Target, drafter: Drafter | None, size: int | str) -> None:
+def check_tree(target: Target, drafter: Drafter | None, size: int | str) -> None:
     if size != AUTO and (not isinstance(size, int) or size < 1):
         raise ValueError(f"tree must be a number of drafted nodes (>= 1) or 'auto', got {size!r}")
     if drafter is None or not hasattr(drafter, "grow_tree"):
@@ -229,8 +229,8 @@ def stream_generate(
     params = SamplingParams(temperature, top_p, top_k)
     target, drafter, tokenizer, width = _check_request(model, drafter, tokenizer, max_tokens,
                                                        block_size, schedule)
-    if tree:
-        _check_tree(target, drafter, tree)
+    if tree is not None:
+        check_tree(target, drafter, tree)
     tokens = encode_prompt(tokenizer, prompt)
     stats = GenerationStats(prompt_tokens=len(tokens), block_size=width)
     out = TextStream(tokenizer, stats, max_tokens)

@@ -144,8 +144,8 @@ def _recurrent_layer_per_position(
 
 @dataclass
 class _TreePaths:
-    """A tree pass as a recurrent layer reads it: ``rows`` [L, D], row i's path (the anchor
-    first, padded with the anchor after i); ``depths`` [L], where each path ends."""
+    """A tree pass as a recurrent layer reads it: ``rows`` [B, L, D], row i's path (the anchor
+    first, padded with the anchor after i); ``depths`` [B, L], where each path ends."""
 
     rows: mx.array
     depths: mx.array
@@ -153,16 +153,18 @@ class _TreePaths:
 
 def _recurrent_layer_on_paths(layer: nn.Module, h: mx.array, paths: _TreePaths,
                               cache: ArraysCache) -> tuple[mx.array, ArraysCache]:
-    """The layer's output on a tree pass's rows [1, L, D], each row after its own path, and
-    the cache after each row's path (batch row i: row i's). ``cache`` is left as it was."""
-    L = paths.rows.shape[0]
-    x = layer.input_layernorm(h)[0][paths.rows]  # [L, D, hidden]
+    """The layer's output on a tree pass's rows [B, L, hidden], each row after its own path,
+    and the cache after each row's path (batch row ``b * L + i``: row i of request b's).
+    ``cache`` is left as it was."""
+    B, L, D = paths.rows.shape
+    x = layer.input_layernorm(h)[mx.arange(B)[:, None, None], paths.rows]  # [B, L, D, hidden]
     on_paths = ArraysCache(len(cache.cache))
     on_paths.cache = [None if a is None else mx.repeat(a, L, axis=0) for a in cache.cache]
-    on_paths.lengths = paths.depths + 1
-    out = layer.linear_attn(x, on_paths.make_mask(x.shape[1]), on_paths)
+    ends = paths.depths.reshape(-1)
+    on_paths.lengths = ends + 1
+    out = layer.linear_attn(x.reshape(B * L, D, -1), on_paths.make_mask(D), on_paths)
     on_paths.lengths = None
-    h = h + out[mx.arange(L), paths.depths][None]
+    h = h + out[mx.arange(B * L), ends].reshape(B, L, -1)
     return h + layer.mlp(layer.post_attention_layernorm(h)), on_paths
 
 
@@ -205,9 +207,12 @@ class _RecurrentRecord:
             _replay_recurrent(self.layer, self.inputs[:, :longest], self.cache)
             self.cache.lengths = None
 
-    def keep_path(self, row: int) -> None:
-        """After a tree pass: set the cache to its state after row ``row``'s path."""
-        self.cache.cache = [None if a is None else a[row : row + 1] for a in self.paths.cache]
+    def keep_paths(self, rows: Sequence[int]) -> None:
+        """After a tree pass: set each request's state (batch row b) to the one after the
+        path of its pass row ``rows[b]``."""
+        L = next(a for a in self.paths.cache if a is not None).shape[0] // len(rows)
+        picked = mx.array([b * L + r for b, r in enumerate(rows)], dtype=mx.int32)
+        self.cache.cache = [None if a is None else a[picked] for a in self.paths.cache]
 
     @property
     def nbytes(self) -> int:
@@ -339,15 +344,19 @@ def _trim_rotating(cache: RotatingKVCache, n: int, pass_tokens: int) -> None:
 
 
 class _DepthRope:
-    """A rotary embedding that puts token i of a pass at ``offset + positions[i]``: each token
-    is rotated as a batch row of its own (MLX's rope takes one offset per batch row)."""
+    """A rotary embedding that puts token i of batch row b at ``offset[b] + positions[b, i]``:
+    each token is rotated as a batch row of its own (MLX's rope takes one offset per row)."""
 
     def __init__(self, rope: Any, positions: mx.array):
-        self.rope, self.positions = rope, positions
+        self.rope, self.positions = rope, positions  # [B, L]
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
-        rows = x.transpose(2, 1, 0, 3)  # [1, H, L, D] -> [L, H, 1, D]
-        return self.rope(rows, offset=offset + self.positions).transpose(2, 1, 0, 3)
+        B, H, L, D = x.shape
+        rows = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)
+        if isinstance(offset, mx.array) and offset.ndim:
+            offset = offset[:, None]  # a batch cache: each row's own
+        rotated = self.rope(rows, offset=(offset + self.positions).reshape(-1))
+        return rotated.reshape(B, L, H, D).transpose(0, 2, 1, 3)
 
 
 def _only_kv(cache: Sequence[Any]) -> bool:
@@ -592,17 +601,20 @@ class Target:
     def forward_tree(self, tokens: mx.array, depths: Sequence[int] | mx.array, visible: Any,
                      cache: list[Any], layer_ids: Sequence[int] = (),
                      max_depth: int | None = None) -> tuple[mx.array, mx.array | None]:
-        """Logits [1, L, V] and tap features of a tree pass: ``tokens`` [1, L] (the anchor,
+        """Logits [B, L, V] and tap features of a tree pass: ``tokens`` [B, L] (the anchor,
         then the nodes), row i at position ``offset + depths[i]`` and seeing the cached context
-        and the rows ``visible[i]`` ([L, L] bool) marks. Follow with ``keep_rows``.
-        ``max_depth``: a bound on the depths where they are device arrays (recurrent layers
-        read paths that long; default L - 1)."""
+        and the rows ``visible[i]`` ([L, L] bool) marks; ``depths`` [L] or [B, L], ``visible``
+        [L, L] or [B, L, L] (B > 1: a batch cache, batch_cache.py). Follow with ``keep_rows``
+        (a batch cache: its ``commit_rows``). ``max_depth``: a bound on the depths where they
+        are device arrays (recurrent layers read paths that long; default L - 1)."""
         if max_depth is None:
             max_depth = tokens.shape[1] - 1 if isinstance(depths, mx.array) else max(depths)
         positions = (depths if isinstance(depths, mx.array) else mx.array(list(depths))
                      ).astype(mx.int32)
-        masks = self._tree_masks(positions, mx.array(visible).astype(mx.bool_), cache,
-                                 max_depth)
+        visible = mx.array(visible).astype(mx.bool_)
+        if positions.ndim == 1:
+            positions, visible = positions[None], visible[None]
+        masks = self._tree_masks(positions, visible, cache, max_depth)
         attentions = [layer.self_attn for layer, kind in zip(self.inner.layers, self.layer_kinds)
                       if kind != RECURRENT]
         ropes = [a.rope for a in attentions]
@@ -617,34 +629,41 @@ class Target:
 
     def _tree_masks(self, positions: mx.array, visible: mx.array, cache: list[Any],
                     max_depth: int) -> list[Any]:
-        """Each layer's mask for a tree pass. Attention: [L, held + L], the keys its cache
-        returns (what it held, then the pass's rows); full attention sees all it held, a
-        sliding window the keys less than a window before the row's position and of the
-        pass's rows its ancestors within the window. Recurrent: each row's path."""
-        L = positions.shape[0]
+        """Each layer's mask for a tree pass (``positions`` [B, L], ``visible`` [B, L, L]).
+        Attention: [B, 1, L, held + L], the keys its cache returns (what it held, then the
+        pass's rows); full attention sees all it held, a sliding window the keys less than a
+        window before the row's position and of the pass's rows its ancestors within the
+        window. Recurrent: each row's path."""
         masks = {}
         for kind, i in self._first_of_kind.items():
             c = cache[i]
+            window = self.window if kind == SLIDING else None
             if kind == RECURRENT:
-                # path[i, d]: the row at depth d that row i sees (the anchor past i's depth)
-                at_depth = visible[:, None, :] & (
-                    positions[None, None, :] == mx.arange(max_depth + 1)[None, :, None])
+                # path[b, i, d]: the row at depth d that row i sees (the anchor past i's depth)
+                at_depth = visible[:, :, None, :] & (
+                    positions[:, None, None, :] == mx.arange(max_depth + 1)[None, None, :, None])
                 masks[kind] = _TreePaths(mx.argmax(at_depth.astype(mx.int32), axis=-1),
                                          positions)
-                continue
-            offset = c.offset
-            if kind == FULL:
-                masks[kind] = mx.concatenate([mx.ones((L, offset), dtype=mx.bool_), visible],
-                                             axis=1)
-                continue
-            # held: the newest positions an update of L tokens keeps before them (as
-            # RotatingKVCache.make_mask counts them)
-            held = 0 if c.keys is None else min(c.offset, c.max_size - 1)
-            rows = offset + positions
-            old = (rows[:, None] - mx.arange(offset - held, offset)[None, :]) < self.window
-            near = (positions[:, None] - positions[None, :]) < self.window
-            masks[kind] = mx.concatenate([old, visible & near], axis=1)
+            elif hasattr(c, "tree_mask"):  # a batch cache's rows (batch_cache.RaggedKVCache)
+                masks[kind] = c.tree_mask(positions, visible, window)
+            else:
+                masks[kind] = self._single_tree_mask(positions[0], visible[0], c, window)
         return [masks[kind] for kind in self.layer_kinds]
+
+    @staticmethod
+    def _single_tree_mask(positions: mx.array, visible: mx.array, c: Any,
+                          window: int | None) -> mx.array:
+        """One request's attention mask for a tree pass: [L, held + L]."""
+        offset, L = c.offset, positions.shape[0]
+        if window is None:
+            return mx.concatenate([mx.ones((L, offset), dtype=mx.bool_), visible], axis=1)
+        # held: the newest positions an update of L tokens keeps before them (as
+        # RotatingKVCache.make_mask counts them)
+        held = 0 if c.keys is None else min(c.offset, c.max_size - 1)
+        rows = offset + positions
+        old = (rows[:, None] - mx.arange(offset - held, offset)[None, :]) < window
+        near = (positions[:, None] - positions[None, :]) < window
+        return mx.concatenate([old, visible & near], axis=1)
 
     @staticmethod
     def keep_rows(cache: list[Any], rows: Sequence[int]) -> None:
@@ -669,7 +688,7 @@ class Target:
             else:
                 c.offset -= L - n
         for record in cache.last_pass.recurrent or []:
-            record.keep_path(rows[-1])
+            record.keep_paths([rows[-1]])
         cache.last_pass = None
 
     def _tree_matches(self) -> bool:
