@@ -276,14 +276,15 @@ def _mlx_lm_run(model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens
 def run_batch_bench(
     model: Any, drafter: Any, tokenizer: Any, prompt_sets: dict[str, list[str]],
     concurrency: list[int], max_tokens: int = 96, block_size: int = 4, progress: bool = True,
-    stagger: float = 0.0,
+    stagger: float = 0.0, trees: Sequence[int | str] = (),
 ) -> dict:
     """Per domain and concurrency c: the prompts in groups of c, arriving together (or
     ``stagger`` seconds apart), each group run by mlx-lm's ``BatchGenerator`` (plain batched
     decoding), our batch engine with the default settings ("auto") and with a fixed block
     ("B=block_size"), and our single-request path one request after another ("one by one");
-    interleaved group by group. Greedy. Latency and time to first token count from each
-    request's arrival."""
+    with ``trees``, the engine with tree drafts too ("tree-auto": the default settings with
+    tree="auto"; "treeN": N nodes per drafting request); interleaved group by group.
+    Greedy. Latency and time to first token count from each request's arrival."""
     from tqdm import tqdm
 
     def one_by_one(group: list[list[int]]) -> tuple[list[list[int]], float, dict]:
@@ -308,17 +309,23 @@ def run_batch_bench(
                                                          max_tokens, stagger,
                                                          block_size=block_size),
                 "one by one": one_by_one}
+    for n in trees:
+        variants["tree-auto" if n == AUTO else f"tree{n}"] = (
+            lambda g, n=n: _engine_run(model, drafter, tokenizer, g, max_tokens, stagger,
+                                       tree=n))
     results: dict[str, Any] = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "device": str(mx.default_device()), "mlx": mx.__version__},
         "settings": {"max_tokens": max_tokens, "concurrency": concurrency, "greedy": True,
-                     "block_size": block_size,
+                     "block_size": block_size, "trees": list(trees),
                      "arrivals": f"{stagger:g} s apart" if stagger else "together"},
         "domains": {},
     }
     from .batch import BatchEngine
 
     BatchEngine(model, drafter, tokenizer)  # the first one times the passes: before any clock
+    if AUTO in trees:  # its passes are timed as wide as its trees
+        BatchEngine(model, drafter, tokenizer, tree=AUTO)
     total = sum(len(p) // c for p in prompt_sets.values() for c in concurrency)
     bar = tqdm(total=total * len(variants), desc="batch bench", unit="run",
                disable=not progress)

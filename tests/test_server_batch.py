@@ -108,3 +108,19 @@ def test_many_long_requests_under_a_small_memory_limit_wait_and_complete(pair, m
     for prompt, (_, text) in zip(prompts, out):
         assert text == reference(pair, prompt, 120)
     assert 1 < most_running[0] < 16 and peak <= limit
+
+
+def test_concurrent_clients_with_tree_drafts_get_their_solo_outputs(pair, most_running,
+                                                                    monkeypatch):
+    """``create_app(tree=...)`` (``mlx-dflash serve --tree``): the batch engine verifies trees
+    for every drafting request; each client still gets its solo output."""
+    tree_passes = []
+    tree_pass = worker_mod.BatchedEngine._tree_pass
+    monkeypatch.setattr(worker_mod.BatchedEngine, "_tree_pass",
+                        lambda self, *a: tree_passes.append(1) or tree_pass(self, *a))
+    with BackgroundServer(create_app(*pair, model_name=NAME, max_batch=8, tree=4)) as srv:
+        clients = [(stream_completion, srv.url, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+        texts = run_clients(clients)
+    for prompt, n, text in zip(PROMPTS, MAX_TOKENS, texts):
+        assert text == reference(pair, prompt, n)
+    assert most_running[0] >= 2 and tree_passes

@@ -30,7 +30,8 @@ def bench(
                               "(variant 'auto': scheduler + copy drafts)."),
     tree: List[str] = typer.Option([], "--tree", help="Also run tree drafts of this many "
                                    "nodes (variant 'treeN', no copy drafts), or 'auto' (variant "
-                                   "'tree-auto': sized per cycle, copy drafts on); repeatable."),
+                                   "'tree-auto': sized per cycle, copy drafts on); repeatable. "
+                                   "With --concurrency: the batch engine with trees."),
     concurrency: List[int] = typer.Option([], "--concurrency", "-c", min=1,
                                           help="Requests at once; repeatable. Instead of the "
                                           "single-request bench: groups of this many prompts "
@@ -69,7 +70,7 @@ def bench(
         fail("bench needs a drafter (--drafter)")
     if concurrency:
         results = run_batch_bench(target, draft, tokenizer, sets, list(concurrency), max_tokens,
-                                  block_size[0], stagger=stagger)
+                                  block_size[0], stagger=stagger, trees=trees)
     else:
         results = run_bench(target, draft, tokenizer, sets, list(block_size), max_tokens,
                             copy_drafts=copy, auto=auto, trees=trees)

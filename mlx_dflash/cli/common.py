@@ -83,7 +83,7 @@ def parse_size(text: str) -> int:
 
 
 TREE_HELP = ("Verify a tree of this many drafted nodes per cycle instead of a chain, or 'auto': "
-             "as many as pay (targets with full and sliding-window attention).")
+             "as many as pay.")
 
 
 def parse_tree(text: str | None) -> int | str | None:

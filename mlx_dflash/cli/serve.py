@@ -10,7 +10,7 @@ import typer
 
 from ..policy import COPY_DRAFTS
 from .app import app, fail
-from .common import load_pair, parse_size
+from .common import TREE_HELP, load_pair, parse_size, parse_tree
 
 
 def _size(option: str, value: str | None) -> int | None:
@@ -86,6 +86,8 @@ def serve(
     copy: bool = typer.Option(COPY_DRAFTS, "--copy/--no-copy",
                               help="Copy drafts: verify what followed an earlier occurrence of "
                               "the last tokens when there is one."),
+    tree: Optional[str] = typer.Option(None, "--tree", help=TREE_HELP + " Models whose pair "
+                                       "takes no trees are served with chains."),
 ) -> None:
     """Serve models over OpenAI- and Anthropic-compatible APIs (/v1/chat/completions,
     /v1/completions, /v1/messages, /v1/models)."""
@@ -98,6 +100,7 @@ def serve(
         fail(f"{e.name} is needed for serving: pip install fastapi uvicorn")
     from ..default_pair import DEFAULT_TARGET_NAME
 
+    tree_size = parse_tree(tree)
     budget = _size("--model-memory", model_memory)
     cache = CacheSettings(_size("--cache-memory", cache_memory), cache_dir,
                           _size("--cache-disk", cache_disk))
@@ -111,7 +114,8 @@ def serve(
             served[-1].model = served[-1].drafter = None  # loaded again on first use
     try:
         server_app = create_app(models=served, model_memory=budget, cache=cache,
-                                api_key=api_key, copy_drafts=copy, max_batch=max_batch)
+                                api_key=api_key, copy_drafts=copy, max_batch=max_batch,
+                                tree=tree_size)
     except ValueError as e:
         fail(str(e))
     names = ", ".join(f"'{s.name}'" for s in served)

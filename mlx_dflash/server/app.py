@@ -56,18 +56,20 @@ def create_app(
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     copy_drafts: bool = COPY_DRAFTS,
     max_batch: int = 8,
+    tree: int | str | None = None,
 ) -> FastAPI:
     """An app serving ``model`` (with ``drafter``; None: the target alone) as ``model_name``,
     or several ``models`` by name (the first is the default; at most ``model_memory`` bytes of
     weights stay loaded). ``cache``: the prefix caches (default: in memory only).
-    ``max_batch``: how many requests decode together (1: one at a time)."""
+    ``max_batch``: how many requests decode together (1: one at a time). ``tree``: tree
+    drafts of that many nodes, or "auto" (tree.py), for the model pairs that take them."""
     if models is None:
         if model_name is None:
             raise ValueError("model_name is required with a single model")
         models = [served_model(model_name, model, drafter, tokenizer, block_size=block_size,
                                max_context=max_context)]
     pool = ModelPool(models, max_bytes=model_memory, cache=cache)
-    worker = ModelWorker(pool, copy_drafts, max_batch)
+    worker = ModelWorker(pool, copy_drafts, max_batch, tree)
     created = int(time.time())
 
     @asynccontextmanager

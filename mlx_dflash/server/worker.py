@@ -25,8 +25,9 @@ from typing import Any, Iterator, Protocol, Sequence
 import mlx.core as mx
 
 from ..batch import BatchEngine, BatchNotSupported
-from ..decode import GenerationResponse, stream_generate, stream_generate_cached
+from ..decode import GenerationResponse, check_tree, stream_generate, stream_generate_cached
 from ..policy import COPY_DRAFTS
+from ..target import as_target
 from .models import ModelPool
 from .stops import StopMatcher
 
@@ -119,10 +120,11 @@ class Engine(Protocol):
 class BatchedEngine(BatchEngine):
     """The batch engine over a served model (its prefix cache included)."""
 
-    def __init__(self, served: Any, copy_drafts: bool, max_batch: int):
+    def __init__(self, served: Any, copy_drafts: bool, max_batch: int,
+                 tree: int | str | None = None):
         super().__init__(served.model, served.drafter, served.tokenizer, max_batch=max_batch,
                          block_size=served.block_size, copy_drafts=copy_drafts,
-                         prefix_cache=served.prefix_cache)
+                         prefix_cache=served.prefix_cache, tree=tree)
 
     @property
     def running_ids(self) -> list[int]:
@@ -137,8 +139,8 @@ class SequentialEngine:
     """One request at a time through ``stream_generate`` (through the model's prefix cache
     when it has one), in arrival order: for targets the batch engine cannot hold."""
 
-    def __init__(self, served: Any, copy_drafts: bool):
-        self.served, self.copy_drafts = served, copy_drafts
+    def __init__(self, served: Any, copy_drafts: bool, tree: int | str | None = None):
+        self.served, self.copy_drafts, self.tree = served, copy_drafts, tree
         self.waiting: deque[tuple[int, list[int], dict[str, Any]]] = deque()
         self.current: tuple[int, Iterator[GenerationResponse]] | None = None
         self._ids = itertools.count()
@@ -186,7 +188,8 @@ class SequentialEngine:
         served = self.served
         if seed is not None:
             mx.random.seed(seed % 2**64)
-        kwargs.update(block_size=served.block_size, copy_drafts=self.copy_drafts)
+        kwargs.update(block_size=served.block_size, copy_drafts=self.copy_drafts,
+                      tree=self.tree)
         args = (served.model, served.drafter, served.tokenizer, prompt)
         if served.prefix_cache is None:
             return stream_generate(*args, **kwargs)
@@ -215,10 +218,12 @@ class ModelWorker:
     """Runs the pool's models; ``submit`` queues a job, the thread runs it. ``max_batch``:
     how many jobs of one model decode together (1: one at a time)."""
 
-    def __init__(self, pool: ModelPool, copy_drafts: bool = COPY_DRAFTS, max_batch: int = 8):
+    def __init__(self, pool: ModelPool, copy_drafts: bool = COPY_DRAFTS, max_batch: int = 8,
+                 tree: int | str | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.pool, self.copy_drafts, self.max_batch = pool, copy_drafts, max_batch
+        self.tree = tree  # tree drafts (tree.py) for the pairs that take them
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -331,12 +336,25 @@ class ModelWorker:
 
     def _make_engine(self, model: str | None) -> Engine:
         served = self.pool.acquire(model)
+        tree = self._tree_for(served)
         if self.max_batch > 1 and served.model is not None:
             try:
-                return BatchedEngine(served, self.copy_drafts, self.max_batch)
+                return BatchedEngine(served, self.copy_drafts, self.max_batch, tree)
             except BatchNotSupported as e:
                 log.info("serving '%s' one request at a time: %s", served.name, e)
-        return SequentialEngine(served, self.copy_drafts)
+        return SequentialEngine(served, self.copy_drafts, tree)
+
+    def _tree_for(self, served: Any) -> int | str | None:
+        """The server's tree setting where this model pair takes trees, else None (chains),
+        said once in the log."""
+        if self.tree is None or served.model is None:
+            return None
+        try:
+            check_tree(as_target(served.model), served.drafter, self.tree)
+        except ValueError as e:
+            log.info("serving '%s' without tree drafts: %s", served.name, e)
+            return None
+        return self.tree
 
     def _step(self) -> None:
         engine = self._engine
