@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
+from . import distributed
 from .accept import SamplingParams
 from .drafters.base import Drafter
 from .fingerprint import target_fingerprint
@@ -126,30 +127,82 @@ def _cache_file(target: Target, drafter: Drafter, max_tokens: int) -> Path:
     return cache_root() / "costs" / f"{name}.json"
 
 
-def cached_costs(target: Target, drafter: Drafter, max_tokens: int) -> PassCosts:
-    """The pass costs for this model pair and machine, measured on first use (a few seconds)."""
-    path = _cache_file(target, drafter, max_tokens)
+def _read_costs(path: Path) -> PassCosts | None:
     try:
         data = json.loads(path.read_text())
         return PassCosts({int(k): v for k, v in data["verify_s"].items()}, data["draft_s"],
                          tuple(data["contexts"]), tuple(data["sizes"]))
     except (OSError, ValueError, KeyError):
-        pass
-    import sys
+        return None
 
-    print("Timing target and drafter passes for the block scheduler (once per model pair "
-          "and machine) ...", file=sys.stderr, flush=True)
-    costs = measure_costs(target, drafter, max_tokens)
+
+def _write_costs(path: Path, costs: PassCosts) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(asdict(costs)))
     os.replace(tmp, path)
+
+
+def _timing_note() -> None:
+    import sys
+
+    print("Timing target and drafter passes for the block scheduler (once per model pair "
+          "and machine) ...", file=sys.stderr, flush=True)
+
+
+def cached_costs(target: Target, drafter: Drafter, max_tokens: int) -> PassCosts:
+    """The pass costs for this model pair and machine, measured on first use (a few seconds).
+    Across machines (distributed.py) every rank takes rank 0's."""
+    if distributed.group() is not None:
+        return _common_costs(target, drafter, max_tokens)
+    path = _cache_file(target, drafter, max_tokens)
+    costs = _read_costs(path)
+    if costs is None:
+        _timing_note()
+        costs = measure_costs(target, drafter, max_tokens)
+        _write_costs(path, costs)
     return costs
+
+
+def _common_costs(target: Target, drafter: Drafter, max_tokens: int) -> PassCosts:
+    """Rank 0's pass costs on every rank: read from its file, or measured by all ranks together
+    (the sharded passes need every rank) and then taken from rank 0."""
+    path = _cache_file(target, drafter, max_tokens).with_suffix(
+        f".ranks{distributed.group().size()}.json")
+    sizes = _sizes(max_tokens)
+    costs = _read_costs(path) if distributed.is_root() else None
+    if costs is not None and (costs.contexts, costs.sizes) != (CONTEXTS, sizes):
+        costs = None
+    if not distributed.from_root([costs is not None])[0]:
+        if distributed.is_root():
+            _timing_note()
+        costs = measure_costs(target, drafter, max_tokens)
+    flat = np.array([v for c in CONTEXTS for v in costs.verify_s[c]] + [costs.draft_s]
+                    if distributed.is_root() else np.zeros(len(CONTEXTS) * len(sizes) + 1))
+    flat = distributed.from_root(flat).astype(float)
+    verify = flat[:-1].reshape(len(CONTEXTS), len(sizes))
+    common = PassCosts({c: verify[i].tolist() for i, c in enumerate(CONTEXTS)}, float(flat[-1]),
+                       CONTEXTS, sizes)
+    if distributed.is_root():
+        _write_costs(path, common)
+    return common
+
+
+_run_headroom: list[int] = []  # across machines: the smallest over the ranks, read once
 
 
 def memory_headroom() -> int:
     """Bytes the process may still allocate: Metal's recommended working set (or the memory
-    limit elsewhere) minus what MLX holds now."""
+    limit elsewhere) minus what MLX holds now. Across machines (distributed.py): the smallest
+    over the ranks at the first call, for the whole run (so that every rank decides alike)."""
+    if distributed.group() is not None:
+        if not _run_headroom:
+            _run_headroom.append(int(distributed.smallest(_local_headroom())))
+        return _run_headroom[0]
+    return _local_headroom()
+
+
+def _local_headroom() -> int:
     limit = 0
     if mx.metal.is_available():
         limit = int(mx.device_info().get("max_recommended_working_set_size", 0))

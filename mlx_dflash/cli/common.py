@@ -34,29 +34,45 @@ class PrefillProgress:
 
 
 def load_pair(model: str | None, drafter: str | None, block_size: int | None = None) -> tuple:
-    """(model, drafter, tokenizer). No --model: the package's default pair."""
+    """(model, drafter, tokenizer). No --model: the package's default pair. Under mlx.launch
+    (several ranks, distributed.py) the target is split across them."""
     from mlx_lm import load
 
+    from .. import distributed
     from ..drafters import DrafterMismatchError, load_drafter
 
     try:
         if model is None and drafter is None:
             from ..default_pair import load_default
 
-            return load_default(progress=True)
+            return _split(*load_default(progress=distributed.is_root()))
         if model is None:  # the default target with another drafter
             from ..default_pair import ensure_default_target
 
             model = str(ensure_default_target())
-        print(f"Loading target {model} ...", file=sys.stderr)
-        target, tokenizer = load(model)
+        if distributed.is_root():
+            print(f"Loading target {model} ...", file=sys.stderr)
+        # Split across ranks, each loads only its part (lazily, then sharded).
+        target, tokenizer = load(model, lazy=distributed.group() is not None)
         draft = None
         if drafter is not None and drafter.lower() != "none":
             draft = load_drafter(drafter, model=target)
-        return target, draft, tokenizer
+        return _split(target, draft, tokenizer)
     except (FileNotFoundError, NotADirectoryError, DrafterMismatchError, ValueError,
             NotImplementedError) as e:
         fail(str(e))
+
+
+def _split(target: Any, draft: Any, tokenizer: Any) -> tuple:
+    """The pair with its target split across the run's ranks, when there are several."""
+    from .. import distributed
+
+    if distributed.group() is not None:
+        how = distributed.shard_target(target)
+        if distributed.is_root():
+            print(f"Target split across {distributed.group().size()} ranks ({how} parallel)",
+                  file=sys.stderr)
+    return target, draft, tokenizer
 
 
 def chat_prompt(tokenizer: Any, text: str, use_template: bool = True) -> str | list[int]:

@@ -34,9 +34,16 @@ def generate(
                               help="Copy drafts: verify what followed an earlier occurrence of "
                               "the last tokens when there is one."),
 ) -> None:
-    """Generate text for PROMPT with speculative decoding."""
+    """Generate text for PROMPT with speculative decoding. Under ``mlx.launch`` the target is
+    split across the ranks; rank 0 reads the prompt and prints."""
+    from .. import distributed
+
+    distributed.init()
     text = prompt if prompt is not None else prompt_arg
     if text == "-":
+        if distributed.group() is not None:  # mlx.launch does not pass stdin on
+            fail("under mlx.launch, pass the prompt as an argument (stdin does not reach "
+                 "the ranks)")
         text = sys.stdin.read()
     if not text:
         fail("no prompt given (pass it as an argument or with --prompt)")
@@ -48,9 +55,11 @@ def generate(
     from ..decode import stream_generate
 
     target, draft, tokenizer = load_pair(model, drafter)
+    seed = distributed.common_seed(seed)
     if seed is not None:
         mx.random.seed(seed)
-    last, progress = None, PrefillProgress()
+    speak = distributed.is_root()
+    last, progress = None, PrefillProgress() if speak else None
     responses = stream_generate(
         target, draft, tokenizer, chat_prompt(tokenizer, text, not no_chat_template),
         max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k,
@@ -59,10 +68,16 @@ def generate(
     )
     try:
         for last in responses:
-            progress.clear()
-            print(last.text, end="", flush=True)
+            if speak:
+                progress.clear()
+                print(last.text, end="", flush=True)
     except ValueError as e:  # a request the pair cannot serve (e.g. trees on a hybrid target)
         fail(str(e))
-    print()
-    if last is not None:
-        typer.secho(last.stats.summary(), fg=typer.colors.CYAN, err=True)
+    except RuntimeError as e:  # across machines: another rank failed or was stopped
+        if distributed.group() is None:
+            raise
+        fail(f"rank {distributed.rank()}: the run across machines broke off: {e}")
+    if speak:
+        print()
+        if last is not None:
+            typer.secho(last.stats.summary(), fg=typer.colors.CYAN, err=True)

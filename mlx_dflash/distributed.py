@@ -1,0 +1,158 @@
+"""Speculative decoding with the target split across machines (``mx.distributed``).
+
+Launched with ``mlx.launch`` (``mlx.launch --backend ring -n 2 mlx-dflash generate ...``), every
+process (rank) loads the pair and mlx-lm shards the target: tensor parallel, where mlx-lm's model
+has ``shard(group)`` (each layer's projections split across the ranks; the layer sums its
+output over them, two ``all_sum`` per layer per pass). Nothing else is parallel: every rank runs
+the whole decode loop. The drafter is small and runs on every rank; identical inputs give
+identical drafts, so no draft crosses the network, and a verify pass crosses it as one decoded
+token does (the same messages, whatever the block's length): that is where speculation pays.
+The tap features are the layers' outputs after their sums, the same on every rank.
+
+The accept decision must be the same on every rank, or the ranks' passes stop matching: the
+logits are (the sums are exact on every rank alike), the random seed is rank 0's
+(:func:`common_seed`), and what a rank measures of itself is made common: the pass costs the
+scheduler sizes blocks with are rank 0's (schedule.cached_costs), and the free memory is the
+smallest over the ranks, read once (schedule.memory_headroom).
+
+A rank that fails (or is stopped) makes the others' next message fail at once: MLX raises
+``RuntimeError`` ("connection to a peer was lost"), which the CLI reports as such.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+_group: mx.distributed.Group | None = None  # the run's group, when it has several ranks
+
+
+def init() -> mx.distributed.Group | None:
+    """Join the run ``mlx.launch`` started (the group of all its ranks), or None when this
+    process runs alone."""
+    global _group
+    if _group is None and mx.distributed.is_available():
+        g = mx.distributed.init()
+        if g.size() > 1:
+            _group = g
+    return _group
+
+
+def group() -> mx.distributed.Group | None:
+    """The run's group (after :func:`init`), None when alone."""
+    return _group
+
+
+def rank() -> int:
+    return 0 if _group is None else _group.rank()
+
+
+def is_root() -> bool:
+    """Whether this process speaks for the run (prints, serves): rank 0, or alone."""
+    return rank() == 0
+
+
+def from_root(values: Any, dtype: Any = np.float32) -> np.ndarray:
+    """Rank 0's ``values`` (an array of the same shape on every rank) on every rank."""
+    values = np.asarray(values, dtype=dtype)
+    if _group is None:
+        return values
+    mine = mx.array(values if is_root() else np.zeros_like(values))
+    return np.array(mx.distributed.all_sum(mine, group=_group, stream=mx.cpu))
+
+
+def smallest(value: float) -> float:
+    """The smallest of every rank's ``value``."""
+    if _group is None:
+        return value
+    return float(mx.distributed.all_min(mx.array([value], dtype=mx.float32), group=_group,
+                                         stream=mx.cpu)[0].item())
+
+
+def common_seed(seed: int | None) -> int | None:
+    """The seed every rank samples with: ``seed``, or one rank 0 drew (None when alone and
+    none was given: the global random state stays as it is)."""
+    if _group is None:
+        return seed
+    if seed is None:
+        seed = int(np.random.default_rng().integers(1, 2**31 - 1))
+    return int(from_root([seed], np.int32)[0])
+
+
+def barrier() -> None:
+    """Wait until every rank is here."""
+    if _group is not None:
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=_group, stream=mx.cpu))
+
+
+# -- sharding -----------------------------------------------------------------------------------
+def shard_target(model: nn.Module, group: mx.distributed.Group | None = None) -> str:
+    """Split ``model`` across ``group`` (default: the run's) with mlx-lm's own sharding; returns
+    how ("tensor"). Refuses, naming the model type, a target mlx-lm cannot split so, or one
+    whose heads do not divide among the ranks."""
+    group = group or _group
+    if group is None or group.size() == 1:
+        return "none"
+    text = getattr(model, "language_model", model)
+    model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
+    if not hasattr(text, "shard"):
+        raise ValueError(
+            f"model type '{model_type}' cannot be split across machines: mlx-lm gives it no "
+            "tensor-parallel sharding (model.shard)")
+    args = text.args
+    heads = [getattr(args, "num_attention_heads", 0), getattr(args, "num_key_value_heads", 0)]
+    if any(h % group.size() for h in heads if h):
+        raise ValueError(f"model type '{model_type}': {heads[0]} query / {heads[1]} key-value "
+                         f"heads do not divide among {group.size()} ranks")
+    text.shard(group)
+    mx.eval(model.parameters())
+    barrier()
+    return "tensor"
+
+
+# -- a slower link, for measurement -------------------------------------------------------------
+class _SlowLink(nn.Module):
+    """A sharded layer whose sum over the ranks takes ``delay`` seconds longer, as over a link
+    with that much more latency per message."""
+
+    def __init__(self, inner: nn.Module, delay: float, counter: list[int]):
+        super().__init__()
+        self.inner, self.delay, self.counter = inner, delay, counter
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.inner(x)
+        mx.eval(y)  # the message is sent and received here
+        self.counter[0] += 1
+        if self.delay:
+            time.sleep(self.delay)
+        return y
+
+
+def slow_links(model: nn.Module, delay: float) -> list[int]:
+    """Make every sum over the ranks in ``model`` (its sharded-to-all layers) wait ``delay``
+    seconds more; returns a one-item list counting the messages sent from now on."""
+    counter = [0]
+    sharded = (nn.layers.distributed.ShardedToAllLinear,
+               nn.layers.distributed.QuantizedShardedToAllLinear)
+
+    def walk(module: nn.Module) -> None:
+        for name, child in module.children().items():
+            children = child if isinstance(child, list) else [child]
+            for i, c in enumerate(children):
+                if isinstance(c, _SlowLink):  # slowed before: this delay instead
+                    c.delay, c.counter = delay, counter
+                elif isinstance(c, sharded):
+                    slow = _SlowLink(c, delay, counter)
+                    if isinstance(child, list):
+                        child[i] = slow
+                    else:
+                        setattr(module, name, slow)
+                elif isinstance(c, nn.Module):
+                    walk(c)
+
+    walk(model)
+    return counter

@@ -1,0 +1,126 @@
+"""Plain against speculative decoding with the target split across ranks (mx.distributed).
+
+Run under mlx.launch, e.g. two ranks on this machine over loopback:
+
+    mlx.launch --backend ring -n 2 python scripts/bench_distributed.py \
+        --prompts ../shared/datasets/eval_code_humaneval.jsonl \
+        --prompts ../shared/datasets/eval_math_gsm8k.jsonl --limit 4 --max-tokens 64 \
+        --delay 0 --delay 0.001 --json results/bench_distributed_smollm2_cpu_DATE.json
+
+The default pair's target is split tensor parallel (mlx-lm's ``shard``); every prompt is decoded
+by mlx-lm's own loop on the split model (plain distributed decoding, what ``mlx_lm.generate``
+does under mlx.launch) and by ours with the default settings, back to back, greedy; the outputs
+must be equal. ``--delay D`` adds D seconds to every message between the ranks (each sum over
+the ranks, two per layer per pass: distributed.slow_links), standing in for a slower link;
+0 runs the split model as it is. Rank 0 writes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import mlx_dflash  # noqa: F401 (before mlx: the fast BLAS)
+import mlx.core as mx
+from mlx_lm.generate import stream_generate as mlx_lm_stream
+
+from mlx_dflash import distributed, stream_generate
+from mlx_dflash.cli.common import chat_prompt
+from mlx_dflash.default_pair import load_default
+from mlx_dflash.bench import load_prompt_sets
+from mlx_dflash.prompts import encode_prompt
+
+
+def plain(model, tokenizer, prompt: list[int], max_tokens: int) -> list[int]:
+    out = []
+    for r in mlx_lm_stream(model, tokenizer, prompt, max_tokens=max_tokens):
+        if r.finish_reason != "stop":
+            out.append(r.token)
+    return out
+
+
+def speculative(model, drafter, tokenizer, prompt: list[int], max_tokens: int
+                ) -> tuple[list[int], int]:
+    out, cycles = [], 0
+    for r in stream_generate(model, drafter, tokenizer, prompt, max_tokens=max_tokens):
+        out += r.tokens
+        cycles = r.stats.cycles
+    return out, cycles
+
+
+def sum_latency(hidden: int, tokens: int, reps: int = 50) -> float:
+    """Seconds of one sum over the ranks of a [1, tokens, hidden] float32 message."""
+    x = mx.ones((1, tokens, hidden))
+    mx.eval(mx.distributed.all_sum(x))
+    tic = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(mx.distributed.all_sum(x))
+    return (time.perf_counter() - tic) / reps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", action="append", required=True)
+    parser.add_argument("--limit", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--delay", type=float, action="append", default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    group = distributed.init()
+    if group is None:
+        sys.exit("run under mlx.launch with 2 or more ranks")
+    model, drafter, tokenizer = load_default(progress=distributed.is_root())
+    distributed.shard_target(model)
+    sets = load_prompt_sets(args.prompts, args.limit)
+    hidden = model.args.hidden_size
+    results = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "device": str(mx.default_device()), "mlx": mx.__version__,
+                    "ranks": group.size(), "backend": "ring (loopback)"},
+        "settings": {"max_tokens": args.max_tokens, "limit": args.limit, "greedy": True,
+                     "split": "tensor parallel (mlx-lm shard)",
+                     "messages_per_pass": 2 * len(model.layers)},
+        "sum_latency_s": {str(n): sum_latency(hidden, n) for n in (1, 8)},
+        "delays": {},
+    }
+    for delay in args.delay or [0.0]:
+        counter = distributed.slow_links(model, delay) if delay else None
+        rows = {}
+        for domain, texts in sets.items():
+            row = rows[domain] = {"plain_s": 0.0, "spec_s": 0.0, "tokens": 0, "cycles": 0,
+                                  "differing": 0}
+            for text in texts:
+                prompt = encode_prompt(tokenizer, chat_prompt(tokenizer, text))
+                distributed.barrier()
+                tic = time.perf_counter()
+                want = plain(model, tokenizer, prompt, args.max_tokens)
+                row["plain_s"] += time.perf_counter() - tic
+                distributed.barrier()
+                tic = time.perf_counter()
+                got, cycles = speculative(model, drafter, tokenizer, prompt, args.max_tokens)
+                row["spec_s"] += time.perf_counter() - tic
+                row["tokens"] += len(want)
+                row["cycles"] += cycles
+                row["differing"] += got != want
+            row["plain_tps"] = row["tokens"] / row["plain_s"]
+            row["spec_tps"] = row["tokens"] / row["spec_s"]
+            row["speedup"] = row["spec_tps"] / row["plain_tps"]
+            row["tokens_per_cycle"] = row["tokens"] / max(row["cycles"], 1)
+            if distributed.is_root():
+                print(f"delay {delay * 1e3:g} ms {domain}: plain {row['plain_tps']:.1f} tok/s, "
+                      f"speculative {row['spec_tps']:.1f} tok/s ({row['speedup']:.2f}x), "
+                      f"{row['tokens_per_cycle']:.2f} tokens/pass, differing "
+                      f"{row['differing']}", flush=True)
+        results["delays"][f"{delay * 1e3:g} ms"] = rows
+        if counter is not None:
+            results["delays"][f"{delay * 1e3:g} ms"]["messages_counted"] = counter[0]
+    if distributed.is_root() and args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Run by tests/test_distributed.py under ``mlx.launch`` (two ranks, ring backend): tiny random
+targets split across the ranks (tensor parallel), decoded with and without speculation; rank 0
+writes every output to the JSON file named on the command line.
+
+Usage: distributed_run.py OUT.json [die]   ("die": rank 1 leaves mid-generation)."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import mlx_dflash  # noqa: E402,F401 (before mlx: the fast BLAS)
+import mlx.core as mx  # noqa: E402
+from tiny import make_drafter, make_family_target, make_target, make_tokenizer  # noqa: E402
+
+from mlx_dflash import distributed, generate, stream_generate  # noqa: E402
+
+PROMPT = [5, 9, 14, 3, 9, 14, 22, 8, 9, 14, 22]  # a repeat: copy drafts find something
+FAMILIES = {"qwen3": lambda: make_target("qwen3", seed=2),
+            "llama": lambda: make_family_target("llama", seed=1)}  # with sliding windows
+
+
+def tokens(model, drafter, **kw):
+    out = []
+    for r in stream_generate(model, drafter, make_tokenizer(128), PROMPT, **kw):
+        out += r.tokens
+    return out
+
+
+def main(out_path: str, die: bool = False) -> None:
+    group = distributed.init()
+    assert group is not None and group.size() == 2, "run me with mlx.launch -n 2"
+    results = {}
+    for family, make in FAMILIES.items():
+        model = make()
+        drafter = make_drafter(model, block_size=4)  # the same weights on every rank
+        assert distributed.shard_target(model) == "tensor"
+        if die and distributed.rank() == 1:
+            os._exit(3)  # a rank that dies: the other's next message fails
+        results[family] = {
+            "plain": tokens(model, None, max_tokens=24),
+            "greedy": tokens(model, drafter, max_tokens=24, block_size=4),
+            # the scheduler's choices: the same on both ranks (rank 0's pass costs)
+            "auto": tokens(model, drafter, max_tokens=24),
+            "tree": tokens(model, drafter, max_tokens=24, tree=4),
+        }
+        mx.random.seed(distributed.common_seed(7))
+        results[family]["sampled"] = tokens(model, drafter, max_tokens=24, block_size=4,
+                                            temperature=1.0)
+        results[family]["text"] = generate(model, drafter, make_tokenizer(128), PROMPT,
+                                           max_tokens=8)
+    if distributed.is_root():
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], die=sys.argv[2:] == ["die"])

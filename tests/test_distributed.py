@@ -1,0 +1,89 @@
+"""Speculative decoding with the target split across two ranks (mx.distributed, ring backend
+on this machine, launched with mlx.launch): greedy output equals the single-process plain
+output, seeded sampled output equals the single-process speculative output with that seed,
+and a rank that dies ends the run on the other with a clear error instead of a hang."""
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from distributed_run import FAMILIES, tokens
+from tiny import make_drafter
+
+HERE = os.path.dirname(__file__)
+
+
+# mlx.launch (its console script may not be on PATH where the tests run)
+MLX_LAUNCH = [sys.executable, "-c",
+              "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())",
+              "--backend", "ring", "-n", "2"]
+
+
+def launch(*args, timeout=300):
+    """``mlx.launch --backend ring -n 2`` of distributed_run.py on this machine."""
+    cmd = [*MLX_LAUNCH, sys.executable, os.path.join(HERE, "distributed_run.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist") / "out.json"
+    run = launch(str(out))
+    assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_split_targets_decode_as_one_process(two_ranks, family):
+    model = FAMILIES[family]()
+    drafter = make_drafter(model, block_size=4)
+    got = two_ranks[family]
+    plain = tokens(model, None, max_tokens=24)
+    assert got["plain"] == plain
+    assert got["greedy"] == plain and got["auto"] == plain and got["tree"] == plain
+    mx.random.seed(7)
+    assert got["sampled"] == tokens(model, drafter, max_tokens=24, block_size=4,
+                                    temperature=1.0)
+
+
+def test_a_rank_that_dies_ends_the_run_with_an_error(tmp_path):
+    """Rank 1 exits mid-run: rank 0 does not hang. Its next message fails ("connection to a
+    peer was lost"), or mlx.launch stops it first; either way the run ends, saying which rank
+    left."""
+    out = tmp_path / "out.json"
+    run = launch(str(out), "die", timeout=120)  # a hang would time out
+    said = run.stdout + run.stderr
+    assert not out.exists()
+    assert "rank 1 exited with code 3" in said
+    assert "connection to a peer was lost" in said or "rank 0 exited with code -15" in said
+
+
+def test_mlx_launch_runs_the_cli_with_rank_0_speaking(tmp_path):
+    """``mlx.launch --backend ring -n 2 mlx-dflash generate ...`` (README): rank 0 prints,
+    once, the single-process text; a prompt on stdin (which mlx.launch does not pass on) is
+    refused instead of waited for."""
+    from tiny import make_target, make_tokenizer, save_target
+
+    from mlx_dflash import save_drafter
+
+    model = make_target("qwen3", vocab_size=96)
+    target_dir = save_target(model, make_tokenizer(96), tmp_path / "target")
+    save_drafter(make_drafter(model, block_size=4), tmp_path / "drafter")
+    args = ["generate", "w5 w6 w7", "--model", str(target_dir), "--drafter",
+            str(tmp_path / "drafter"), "--max-tokens", "12"]
+    alone = subprocess.run([sys.executable, "-m", "mlx_dflash.cli", *args],
+                           capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0, alone.stderr
+    cmd = [*MLX_LAUNCH, sys.executable, "-m", "mlx_dflash.cli", *args]
+    split = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert split.returncode == 0, split.stderr[-3000:]
+    assert split.stdout == alone.stdout
+    assert "split across 2 ranks (tensor parallel)" in split.stderr
+    args[1] = "-"
+    refused = subprocess.run([*MLX_LAUNCH, sys.executable, "-m", "mlx_dflash.cli", *args],
+                             stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                             timeout=300)
+    assert "pass the prompt as an argument" in refused.stderr
