@@ -1,10 +1,13 @@
 """Speculative decoding with the target split across machines (``mx.distributed``).
 
 Launched with ``mlx.launch`` (``mlx.launch --backend ring -n 2 mlx-dflash generate ...``), every
-process (rank) loads the pair and mlx-lm shards the target: tensor parallel, where mlx-lm's model
-has ``shard(group)`` (each layer's projections split across the ranks; the layer sums its
-output over them, two ``all_sum`` per layer per pass). Nothing else is parallel: every rank runs
-the whole decode loop. The drafter is small and runs on every rank; identical inputs give
+process (rank) loads the pair and mlx-lm shards the target (:func:`shard_target`): tensor
+parallel where mlx-lm's model has ``shard(group)`` (each layer's projections split across the
+ranks; the layer sums its output over them, two ``all_sum`` per layer per pass), else pipeline
+parallel where it has ``model.pipeline(group)`` (each rank runs some whole layers and hands the
+hidden state on: target.py runs the stages as mlx-lm does, and sums the tap features each
+stage computed so that every rank's drafter reads them all). Nothing else is parallel: every
+rank runs the whole decode loop. The drafter is small and runs on every rank; identical inputs give
 identical drafts, so no draft crosses the network, and a verify pass crosses it as one decoded
 token does (the same messages, whatever the block's length): that is where speculation pays.
 The tap features are the layers' outputs after their sums, the same on every rank.
@@ -90,28 +93,47 @@ def barrier() -> None:
 
 
 # -- sharding -----------------------------------------------------------------------------------
-def shard_target(model: nn.Module, group: mx.distributed.Group | None = None) -> str:
-    """Split ``model`` across ``group`` (default: the run's) with mlx-lm's own sharding; returns
-    how ("tensor"). Refuses, naming the model type, a target mlx-lm cannot split so, or one
-    whose heads do not divide among the ranks."""
+def shard_target(model: nn.Module, group: mx.distributed.Group | None = None,
+                 mode: str = "auto") -> str:
+    """Split ``model`` across ``group`` (default: the run's) with mlx-lm's own sharding and
+    return how: "tensor" (``model.shard``: every layer split by heads), or "pipeline"
+    (``model.model.pipeline``: each rank runs a run of whole layers, the first ranks the last
+    layers, and passes the hidden state on). ``mode`` "auto": tensor where mlx-lm has it and the
+    heads divide among the ranks, else pipeline. Refuses, naming the model type, a target
+    mlx-lm cannot split that way."""
     group = group or _group
     if group is None or group.size() == 1:
         return "none"
+    if mode not in ("auto", "tensor", "pipeline"):
+        raise ValueError(f"mode must be 'auto', 'tensor' or 'pipeline', got {mode!r}")
     text = getattr(model, "language_model", model)
     model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
-    if not hasattr(text, "shard"):
-        raise ValueError(
-            f"model type '{model_type}' cannot be split across machines: mlx-lm gives it no "
-            "tensor-parallel sharding (model.shard)")
-    args = text.args
+    args, n = text.args, group.size()
     heads = [getattr(args, "num_attention_heads", 0), getattr(args, "num_key_value_heads", 0)]
-    if any(h % group.size() for h in heads if h):
-        raise ValueError(f"model type '{model_type}': {heads[0]} query / {heads[1]} key-value "
-                         f"heads do not divide among {group.size()} ranks")
-    text.shard(group)
+    divisible = not any(h % n for h in heads if h)
+    can_pipeline = hasattr(getattr(text, "model", None), "pipeline")
+    if mode == "auto":
+        mode = "tensor" if hasattr(text, "shard") and (divisible or not can_pipeline) else (
+            "pipeline" if can_pipeline else "tensor")
+    if mode == "tensor":
+        if not hasattr(text, "shard"):
+            raise ValueError(f"model type '{model_type}' cannot be split across machines by "
+                             "tensor: mlx-lm gives it no tensor-parallel sharding (model.shard)")
+        if not divisible:
+            raise ValueError(f"model type '{model_type}': {heads[0]} query / {heads[1]} "
+                             f"key-value heads do not divide among {n} ranks")
+        text.shard(group)
+    else:
+        if not can_pipeline:
+            raise ValueError(f"model type '{model_type}' cannot be split across machines by "
+                             "layers: mlx-lm gives it no pipeline (model.model.pipeline)")
+        if len(text.model.layers) < n:
+            raise ValueError(f"model type '{model_type}': {len(text.model.layers)} layers "
+                             f"cannot be split among {n} ranks")
+        text.model.pipeline(group)
     mx.eval(model.parameters())
     barrier()
-    return "tensor"
+    return mode
 
 
 # -- a slower link, for measurement -------------------------------------------------------------

@@ -68,16 +68,17 @@ class UnsupportedTargetError(ValueError):
 
 
 # -- per-family facts ---------------------------------------------------------------------------
+# (A pipeline stage holds some layers only: the others are None, and these list its own.)
 def _all_full(inner: nn.Module) -> list[str]:
-    return [FULL] * len(inner.layers)
+    return [FULL for layer in inner.layers if layer is not None]
 
 
 def _llama_kinds(inner: nn.Module) -> list[str]:
-    return [SLIDING if layer.use_sliding else FULL for layer in inner.layers]
+    return [SLIDING if layer.use_sliding else FULL for layer in inner.layers if layer is not None]
 
 
 def _hybrid_kinds(inner: nn.Module) -> list[str]:
-    return [RECURRENT if layer.is_linear else FULL for layer in inner.layers]
+    return [RECURRENT if layer.is_linear else FULL for layer in inner.layers if layer is not None]
 
 
 def _gpt_oss_kinds(inner: nn.Module) -> list[str]:
@@ -397,11 +398,17 @@ class Target:
         outer_args = getattr(model, "args", args)
         self.model_type = getattr(outer_args, "model_type", None) or type(model).__module__
         self.family = self._family(inner)
-        if getattr(inner, "pipeline_size", 1) > 1:
-            raise UnsupportedTargetError("pipeline-parallel targets are not supported")
         self.model = text_model
         self.inner = inner
-        self.num_layers = len(inner.layers)
+        # A pipeline stage (distributed.py) runs layers start..end-1 only; caches, kinds and
+        # masks below are its own layers', in order; tap layer ids stay global.
+        self.stages = int(getattr(inner, "pipeline_size", 1))
+        start = getattr(inner, "start_idx", 0) if self.stages > 1 else 0
+        end = (getattr(inner, "end_idx", None) or len(inner.layers)) if self.stages > 1 else None
+        self.here = list(range(start, end if end is not None else len(inner.layers)))
+        self.layers_here = [inner.layers[i] for i in self.here]
+        self.num_layers = (int(args.num_hidden_layers) if self.stages > 1
+                           else len(inner.layers))
         self.hidden_size = int(args.hidden_size)
         self.vocab_size = int(args.vocab_size)
         self.tied = bool(getattr(args, "tie_word_embeddings", False)) or not hasattr(
@@ -483,7 +490,7 @@ class Target:
         """
         h = self.embed(tokens)
         if cache is None:
-            cache = [None] * self.num_layers
+            cache = [None] * len(self.layers_here)
         if mask is None:
             masks = self._masks(h, cache)
         else:
@@ -492,17 +499,40 @@ class Target:
         recurrent = [] if record and tracked else None
         taps = {}
         wanted = set(layer_ids)
-        for i, (layer, c) in enumerate(zip(self.inner.layers, cache)):
-            if recurrent is not None and self.layer_kinds[i] == RECURRENT:
-                h = self._recorded_recurrent_layer(layer, h, masks[i], c, recurrent)
+        stage = self.inner.pipeline_rank if self.stages > 1 else 0
+        if stage < self.stages - 1:  # a pipeline stage after the first: the one before's output
+            h = mx.distributed.recv_like(h, stage + 1)
+        for j, (layer, c) in enumerate(zip(self.layers_here, cache)):
+            if recurrent is not None and self.layer_kinds[j] == RECURRENT:
+                h = self._recorded_recurrent_layer(layer, h, masks[j], c, recurrent)
             else:
-                h = layer(h, masks[i], c)
-            if i in wanted:
-                taps[i] = h
+                h = layer(h, masks[j], c)
+            if self.here[j] in wanted:
+                taps[self.here[j]] = h
         if tracked:
             cache.last_pass = _PassRecord(tokens.shape[1], recurrent)
-        features = mx.concatenate([taps[i] for i in layer_ids], axis=-1) if layer_ids else None
+        features = None
+        if layer_ids:
+            features = mx.concatenate([taps.get(i, mx.zeros_like(h)) for i in layer_ids],
+                                      axis=-1)
+        if self.stages > 1:
+            h, features = self._gather_stages(h, features, stage)
         return self.inner.norm(h), features
+
+    def _gather_stages(self, h: mx.array, features: mx.array | None, stage: int
+                       ) -> tuple[mx.array, mx.array | None]:
+        """After a pipeline stage's layers: hand the hidden state on (as mlx-lm does), then
+        one gather gives every stage the last stage's output and each stage's tap features
+        (zeros where it has none), summed. One collective, so that every rank runs the same
+        ones in the same order."""
+        if stage != 0:
+            h = mx.distributed.send(h, stage - 1)
+        B, D = h.shape[0], h.shape[-1]
+        both = h if features is None else mx.concatenate([h, features], axis=-1)
+        gathered = mx.distributed.all_gather(both)  # [stages * B, L, D (+ F)], stage by stage
+        if features is not None:
+            features = gathered[..., D:].reshape(-1, B, *features.shape[1:]).sum(axis=0)
+        return gathered[:B, :, :D], features
 
     def forward(
         self, tokens: mx.array, cache: list[Any] | None, layer_ids: Sequence[int] = ()
@@ -581,14 +611,14 @@ class Target:
         known = _tree_refusals.get(key)
         if known is not None and known[0]() is model:
             return known[1] or None
-        attention = [i for i, kind in enumerate(self.layer_kinds) if kind != RECURRENT]
+        attention = [j for j, kind in enumerate(self.layer_kinds) if kind != RECURRENT]
         caches = make_prompt_cache(model)
-        if not all(type(caches[i]) is KVCache
-                   or type(caches[i]) is RotatingKVCache and caches[i].keep == 0
-                   for i in attention):
+        if not all(type(caches[j]) is KVCache
+                   or type(caches[j]) is RotatingKVCache and caches[j].keep == 0
+                   for j in attention):
             reason = "its caches are not plain KV or sliding-window caches"
-        elif not all(hasattr(getattr(self.inner.layers[i], "self_attn", None), "rope")
-                     for i in attention):
+        elif not all(hasattr(getattr(self.layers_here[j], "self_attn", None), "rope")
+                     for j in attention):
             reason = "its attention layers have no rotary embedding to place tokens with"
         elif not self._tree_matches():
             reason = "a tree pass does not match ordinary passes on it"
@@ -615,7 +645,7 @@ class Target:
         if positions.ndim == 1:
             positions, visible = positions[None], visible[None]
         masks = self._tree_masks(positions, visible, cache, max_depth)
-        attentions = [layer.self_attn for layer, kind in zip(self.inner.layers, self.layer_kinds)
+        attentions = [layer.self_attn for layer, kind in zip(self.layers_here, self.layer_kinds)
                       if kind != RECURRENT]
         ropes = [a.rope for a in attentions]
         for a, rope in zip(attentions, ropes):
@@ -699,22 +729,29 @@ class Target:
         context = (mx.arange(1, length + 1, dtype=mx.uint32) % self.vocab_size)[None]
         tree_tokens = mx.array([[4, 5, 6, 7]], dtype=mx.uint32)  # anchor 4; 5 -> 6; 7
 
+        # Each pass is evaluated on its own: split across ranks by pipeline (distributed.py)
+        # the ranks' graphs differ, and independent passes evaluated together could send their
+        # messages in different orders on different ranks.
+        def run(out: mx.array) -> mx.array:
+            mx.eval(out)
+            return out
+
         def after_context() -> TargetCache:
             cache = self.make_cache()
-            self.hidden_states(context, cache, ())
+            run(self.hidden_states(context, cache, ())[0])
             return cache
 
         tree_cache, side_cache = after_context(), after_context()
-        got = self.forward_tree(tree_tokens, [0, 1, 2, 1],
-                                [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]],
-                                tree_cache)[0][0]
-        chain = self.forward(tree_tokens[:, :3], after_context())[0][0]
-        side = self.forward(mx.array([[4, 7]], dtype=mx.uint32), side_cache)[0][0]
+        got = run(self.forward_tree(tree_tokens, [0, 1, 2, 1],
+                                    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]],
+                                    tree_cache)[0][0])
+        chain = run(self.forward(tree_tokens[:, :3], after_context())[0][0])
+        side = run(self.forward(mx.array([[4, 7]], dtype=mx.uint32), side_cache)[0][0])
         # keeping the side branch (anchor, 7), the caches continue as the side's own pass
         self.keep_rows(tree_cache, [0, 3])
         after = mx.array([[8, 9]], dtype=mx.uint32) % self.vocab_size
-        got = mx.concatenate([got, self.forward(after, tree_cache)[0][0]])
-        want = mx.concatenate([chain, side[1:], self.forward(after, side_cache)[0][0]])
+        got = mx.concatenate([got, run(self.forward(after, tree_cache)[0][0])])
+        want = mx.concatenate([chain, side[1:], run(self.forward(after, side_cache)[0][0])])
         tol = 1e-3 if self.dtype == mx.float32 else 3e-2  # half precision: ops in other orders
         return mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol,
                            rtol=tol).item()
@@ -741,6 +778,7 @@ class Target:
         ref_cache, our_cache = make_prompt_cache(model), self.make_cache()
         for chunk in (probe[:, :4], probe[:, 4:]):
             expected = model(chunk, cache=ref_cache)
+            mx.eval(expected)  # one pass at a time (see _tree_matches)
             got, _ = self.forward(chunk, our_cache)
             same = expected.shape == got.shape and (
                 mx.array_equal(expected, got).item()

@@ -1,6 +1,6 @@
 """Run by tests/test_distributed.py under ``mlx.launch`` (two ranks, ring backend): tiny random
-targets split across the ranks (tensor parallel), decoded with and without speculation; rank 0
-writes every output to the JSON file named on the command line.
+targets split across the ranks (tensor and pipeline parallel), decoded with and without
+speculation; rank 0 writes every output to the JSON file named on the command line.
 
 Usage: distributed_run.py OUT.json [die]   ("die": rank 1 leaves mid-generation)."""
 
@@ -17,8 +17,11 @@ from tiny import make_drafter, make_family_target, make_target, make_tokenizer  
 from mlx_dflash import distributed, generate, stream_generate  # noqa: E402
 
 PROMPT = [5, 9, 14, 3, 9, 14, 22, 8, 9, 14, 22]  # a repeat: copy drafts find something
-FAMILIES = {"qwen3": lambda: make_target("qwen3", seed=2),
-            "llama": lambda: make_family_target("llama", seed=1)}  # with sliding windows
+# family -> (a tiny target, how it is split)
+FAMILIES = {"qwen3": (lambda: make_target("qwen3", seed=2), "tensor"),
+            "llama": (lambda: make_family_target("llama", seed=1), "tensor"),  # sliding windows
+            "qwen2": (lambda: make_family_target("qwen2", seed=1), "pipeline"),
+            "qwen3_next": (lambda: make_family_target("qwen3_next", seed=1), "pipeline")}
 
 
 def tokens(model, drafter, **kw):
@@ -32,10 +35,10 @@ def main(out_path: str, die: bool = False) -> None:
     group = distributed.init()
     assert group is not None and group.size() == 2, "run me with mlx.launch -n 2"
     results = {}
-    for family, make in FAMILIES.items():
+    for family, (make, how) in FAMILIES.items():
         model = make()
         drafter = make_drafter(model, block_size=4)  # the same weights on every rank
-        assert distributed.shard_target(model) == "tensor"
+        assert distributed.shard_target(model, mode=how) == how
         if die and distributed.rank() == 1:
             os._exit(3)  # a rank that dies: the other's next message fails
         results[family] = {
