@@ -41,6 +41,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import distributed
 from .accept import RandomStream, SamplingParams, sample_first
 from .batch_cache import BatchNotSupported, make_batch_cache  # noqa: F401 (re-exported)
 from .cycle import (
@@ -217,7 +218,7 @@ class BatchEngine:
             return True
         longest = max(len(x.tokens) + x.max_tokens for x in (*self.running, r))
         need = 2 * self.position_bytes * (longest + self.width) * (len(self.running) + 1)
-        held = self.cache.nbytes
+        held = int(distributed.smallest(self.cache.nbytes))  # across machines: alike on all
         return memory_headroom() + held - self.reserve_bytes >= need
 
     def _start(self, r: _Request) -> None:

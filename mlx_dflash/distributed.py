@@ -7,19 +7,21 @@ ranks; the layer sums its output over them, two ``all_sum`` per layer per pass),
 parallel where it has ``model.pipeline(group)`` (each rank runs some whole layers and hands the
 hidden state on: target.py runs the stages as mlx-lm does, and sums the tap features each
 stage computed so that every rank's drafter reads them all). Nothing else is parallel: every
-rank runs the whole decode loop. The drafter is small and runs on every rank; identical inputs give
-identical drafts, so no draft crosses the network, and a verify pass crosses it as one decoded
-token does (the same messages, whatever the block's length): that is where speculation pays.
-The tap features are the layers' outputs after their sums, the same on every rank.
+rank runs the whole decode loop. The drafter is small and runs on every rank; identical inputs
+give identical drafts, so no draft crosses the network, and a verify pass crosses it as one
+decoded token does (the same messages, whatever the block's length): that is where
+speculation pays.
 
 The accept decision must be the same on every rank, or the ranks' passes stop matching: the
-logits are (the sums are exact on every rank alike), the random seed is rank 0's
+logits and tap features are (a tensor split's sums reach every rank alike; a pipeline's last
+stage's output is gathered to all), the random seed is rank 0's
 (:func:`common_seed`), and what a rank measures of itself is made common: the pass costs the
 scheduler sizes blocks with are rank 0's (schedule.cached_costs), and the free memory is the
 smallest over the ranks, read once (schedule.memory_headroom).
 
 A rank that fails (or is stopped) makes the others' next message fail at once: MLX raises
-``RuntimeError`` ("connection to a peer was lost"), which the CLI reports as such.
+``RuntimeError`` ("connection to a peer was lost"), which the CLI reports, unless mlx.launch
+has stopped them first.
 """
 
 from __future__ import annotations

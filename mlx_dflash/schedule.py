@@ -437,24 +437,54 @@ def measure_draft_ratios(target: Target, drafter: Drafter, max_tokens: int, reps
 
 
 def cached_batch_costs(target: Target, drafter: Drafter, max_tokens: int) -> BatchCosts:
-    """A batch's pass costs for this model pair and machine, measured on first use."""
+    """A batch's pass costs for this model pair and machine, measured on first use. Across
+    machines (distributed.py) every rank takes rank 0's."""
     single = cached_costs(target, drafter, max_tokens)
     path = _cache_file(target, drafter, max_tokens).with_suffix(".batch.json")
+    sizes = _sizes(max_tokens)
+    if distributed.group() is not None:
+        path = path.with_suffix(f".ranks{distributed.group().size()}.json")
+        costs = _read_batch_costs(path, single) if distributed.is_root() else None
+        if costs is not None and (costs.sizes, costs.rows) != (sizes, BATCH_ROWS):
+            costs = None
+        measured = not distributed.from_root([costs is not None])[0]
+        if measured:
+            costs = _measure_batch_costs(target, drafter, max_tokens, single)
+        flat = np.array([v for r in BATCH_ROWS for v in costs.ratio[r]]
+                        + [costs.draft_ratio[r] for r in BATCH_ROWS]
+                        if distributed.is_root() else np.zeros(len(BATCH_ROWS) * (len(sizes) + 1)))
+        flat = distributed.from_root(flat).astype(float)
+        ratio = flat[: len(BATCH_ROWS) * len(sizes)].reshape(len(BATCH_ROWS), len(sizes))
+        costs = BatchCosts(single, {r: ratio[i].tolist() for i, r in enumerate(BATCH_ROWS)},
+                           sizes, BATCH_ROWS, dict(zip(BATCH_ROWS, flat[-len(BATCH_ROWS):])))
+    else:
+        costs = _read_batch_costs(path, single)
+        measured = costs is None
+        if measured:
+            costs = _measure_batch_costs(target, drafter, max_tokens, single)
+    if measured and distributed.is_root():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"ratio": costs.ratio, "sizes": costs.sizes,
+                                   "rows": costs.rows, "draft_ratio": costs.draft_ratio}))
+        os.replace(tmp, path)
+    return costs
+
+
+def _read_batch_costs(path: Path, single: PassCosts) -> BatchCosts | None:
     try:
         data = json.loads(path.read_text())
         return BatchCosts(single, {int(k): v for k, v in data["ratio"].items()},
                           tuple(data["sizes"]), tuple(data["rows"]),
                           {int(k): v for k, v in data["draft_ratio"].items()})
     except (OSError, ValueError, KeyError):
-        pass
-    costs = BatchCosts(single, measure_batch_ratios(target, max_tokens), _sizes(max_tokens),
-                       draft_ratio=measure_draft_ratios(target, drafter, max_tokens))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"ratio": costs.ratio, "sizes": costs.sizes, "rows": costs.rows,
-                               "draft_ratio": costs.draft_ratio}))
-    os.replace(tmp, path)
-    return costs
+        return None
+
+
+def _measure_batch_costs(target: Target, drafter: Drafter, max_tokens: int, single: PassCosts
+                         ) -> BatchCosts:
+    return BatchCosts(single, measure_batch_ratios(target, max_tokens), _sizes(max_tokens),
+                      draft_ratio=measure_draft_ratios(target, drafter, max_tokens))
 
 
 def plan_batch(schedulers: Sequence[Scheduler], rooms: Sequence[int],

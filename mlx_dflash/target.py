@@ -360,6 +360,17 @@ class _DepthRope:
         return rotated.reshape(B, L, H, D).transpose(0, 2, 1, 3)
 
 
+def _depend(cache: Any, h: mx.array) -> None:
+    """Make a layer cache's arrays depend on ``h``, as mlx-lm's pipeline does: evaluating the
+    caches alone (a prefill chunk) then runs the stages' messages too, on every rank."""
+    if cache is None:
+        return
+    if isinstance(cache, ArraysCache):
+        cache[0] = mx.depends(cache[0], h)
+    elif getattr(cache, "keys", None) is not None:
+        cache.keys = mx.depends(cache.keys, h)
+
+
 def _only_kv(cache: Sequence[Any]) -> bool:
     """All layers trimmable at any depth (plain / quantized KV caches)."""
     return all(
@@ -517,6 +528,7 @@ class Target:
                                       axis=-1)
         if self.stages > 1:
             h, features = self._gather_stages(h, features, stage)
+            _depend(cache[-1], h)
         return self.inner.norm(h), features
 
     def _gather_stages(self, h: mx.array, features: mx.array | None, stage: int

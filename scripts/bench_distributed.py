@@ -1,13 +1,17 @@
 """Plain against speculative decoding with the target split across ranks (mx.distributed).
 
-Run under mlx.launch, e.g. two ranks on this machine over loopback:
+Run under mlx.launch (``mlx.launch --backend ring -n 3 python scripts/bench_distributed.py
+...``), or with ``--ranks N`` to start N ranks on this machine itself (ring backend over
+loopback), with the environment mlx.launch gives them but without its output relay, which
+polls and on a 2-core machine takes a core from the ranks:
 
-    mlx.launch --backend ring -n 2 python scripts/bench_distributed.py \
+    python scripts/bench_distributed.py --ranks 3 \
         --prompts ../shared/datasets/eval_code_humaneval.jsonl \
-        --prompts ../shared/datasets/eval_math_gsm8k.jsonl --limit 4 --max-tokens 64 \
+        --prompts ../shared/datasets/eval_math_gsm8k.jsonl --limit 2 --max-tokens 32 \
         --delay 0 --delay 0.001 --json results/bench_distributed_smollm2_cpu_DATE.json
 
-The default pair's target is split tensor parallel (mlx-lm's ``shard``); every prompt is decoded
+The default pair's target is split by mlx-lm (tensor parallel: SmolLM2-135M's 9 query and 3
+key-value heads divide among 3 ranks, not 2); every prompt is decoded
 by mlx-lm's own loop on the split model (plain distributed decoding, what ``mlx_lm.generate``
 does under mlx.launch) and by ours with the default settings, back to back, greedy; the outputs
 must be equal. ``--delay D`` adds D seconds to every message between the ranks (each sum over
@@ -19,8 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 
 import mlx_dflash  # noqa: F401 (before mlx: the fast BLAS)
@@ -61,14 +68,35 @@ def sum_latency(hidden: int, tokens: int, reps: int = 50) -> float:
     return (time.perf_counter() - tic) / reps
 
 
+def start_ranks(n: int, port: int = 5730) -> int:
+    """Run this script as ``n`` ranks on this machine (ring backend, loopback); rank 0's
+    output is ours. Returns the first failing rank's exit code (0: none failed)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([[f"127.0.0.1:{port + r}"] for r in range(n)], f)
+    argv = [a for i, a in enumerate(sys.argv) if a != "--ranks" and sys.argv[i - 1] != "--ranks"]
+    procs = [subprocess.Popen([sys.executable, *argv],
+                              env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": f.name,
+                                   "MLX_DFLASH_STARTED_RANKS": "1"},
+                              stdout=None if r == 0 else subprocess.DEVNULL,
+                              stderr=None if r == 0 else subprocess.DEVNULL)
+             for r in range(n)]
+    codes = [p.wait() for p in procs]
+    os.unlink(f.name)
+    return next((c for c in codes if c), 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="start this many ranks here (instead of mlx.launch)")
     parser.add_argument("--prompts", action="append", required=True)
     parser.add_argument("--limit", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--delay", type=float, action="append", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.ranks and "MLX_RANK" not in os.environ:
+        sys.exit(start_ranks(args.ranks))
     group = distributed.init()
     if group is None:
         sys.exit("run under mlx.launch with 2 or more ranks")
@@ -81,7 +109,9 @@ def main() -> None:
     results = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "device": str(mx.default_device()), "mlx": mx.__version__,
-                    "ranks": group.size(), "backend": "ring (loopback)"},
+                    "ranks": group.size(), "backend": "ring (loopback)",
+                    "launched": ("--ranks (no output relay)"
+                                 if os.environ.get("MLX_DFLASH_STARTED_RANKS") else "mlx.launch")},
         "settings": {"max_tokens": args.max_tokens, "limit": args.limit, "greedy": True,
                      "split": "tensor parallel (mlx-lm shard)",
                      "messages_per_pass": 2 * len(model.layers)},

@@ -14,9 +14,10 @@ import mlx_dflash  # noqa: E402,F401 (before mlx: the fast BLAS)
 import mlx.core as mx  # noqa: E402
 from tiny import make_drafter, make_family_target, make_target, make_tokenizer  # noqa: E402
 
-from mlx_dflash import distributed, generate, stream_generate  # noqa: E402
+from mlx_dflash import batch_generate, distributed, generate, stream_generate  # noqa: E402
 
 PROMPT = [5, 9, 14, 3, 9, 14, 22, 8, 9, 14, 22]  # a repeat: copy drafts find something
+BATCH_PROMPTS = [PROMPT, [7, 8, 9], [40, 41, 40, 41, 40, 41, 42]]
 # family -> (a tiny target, how it is split)
 FAMILIES = {"qwen3": (lambda: make_target("qwen3", seed=2), "tensor"),
             "llama": (lambda: make_family_target("llama", seed=1), "tensor"),  # sliding windows
@@ -47,12 +48,21 @@ def main(out_path: str, die: bool = False) -> None:
             # the scheduler's choices: the same on both ranks (rank 0's pass costs)
             "auto": tokens(model, drafter, max_tokens=24),
             "tree": tokens(model, drafter, max_tokens=24, tree=4),
+            # the prompt prefilled in chunks (each chunk's messages run with its caches)
+            "chunked": tokens(model, drafter, max_tokens=24, block_size=4,
+                              prefill_step_size=4),
         }
         mx.random.seed(distributed.common_seed(7))
         results[family]["sampled"] = tokens(model, drafter, max_tokens=24, block_size=4,
                                             temperature=1.0)
         results[family]["text"] = generate(model, drafter, make_tokenizer(128), PROMPT,
                                            max_tokens=8)
+        # the batch engine with its verify budget (rank 0's batch pass costs) and with trees
+        results[family]["batch"] = [r.tokens for r in batch_generate(
+            model, drafter, make_tokenizer(128), BATCH_PROMPTS, max_tokens=16, max_batch=2)]
+        results[family]["batch_trees"] = [r.tokens for r in batch_generate(
+            model, drafter, make_tokenizer(128), BATCH_PROMPTS, max_tokens=16, max_batch=3,
+            tree="auto")]
     if distributed.is_root():
         with open(out_path, "w") as f:
             json.dump(results, f)

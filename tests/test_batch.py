@@ -150,10 +150,19 @@ def test_sampled_rows_follow_the_target_inside_a_batch():
     drafter = make_drafter(model, block_size=4, layer_ids=(0, 1), mask_token_id=2, seed=7)
     params = SamplingParams(1.0, 0.9, 0)
     joint, marginal4 = exact_joint(model, params)
+    counts, counts4, accepted = batch_samples(model, drafter, 11, block_size=4)
+    assert_follows(counts, counts4, joint, marginal4)
+    assert accepted > 0
+
+
+def batch_samples(model, drafter, seed, **engine_options):
+    """2000 sampled requests (temperature 1, top-p 0.9) of 4 tokens after PROMPT, 7 at a time
+    beside a greedy one in the same passes: counts of the first three tokens, of the fourth,
+    and drafts accepted."""
     tok = make_tokenizer(V, eos_id=V)
-    mx.random.seed(11)
+    mx.random.seed(seed)
     counts, counts4 = np.zeros((V, V, V)), np.zeros(V)
-    engine = BatchEngine(model, drafter, tok, max_batch=8, block_size=4)
+    engine = BatchEngine(model, drafter, tok, max_batch=8, **engine_options)
     samples, accepted = 0, 0
     while samples < 2000:
         ids = [engine.submit(PROMPT, max_tokens=4, temperature=1.0, top_p=0.9)
@@ -169,8 +178,7 @@ def test_sampled_rows_follow_the_target_inside_a_batch():
             counts[tokens[0], tokens[1], tokens[2]] += 1
             counts4[tokens[3]] += 1
         samples += len(ids)
-    assert_follows(counts, counts4, joint, marginal4)
-    assert accepted > 0
+    return counts, counts4, accepted
 
 
 def test_bad_requests_are_refused():

@@ -6,9 +6,11 @@ DeltaNet targets; sampled rows follow the target; tree="auto" ranks all requests
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_batch import MAX_TOKENS, PROMPTS, BatchOracle, batch_costs, check_against_solo, run_engine
+from test_batch import (
+    MAX_TOKENS, PROMPTS, BatchOracle, batch_costs, batch_samples, check_against_solo, run_engine,
+)
 from test_lossless_greedy import reference
-from test_lossless_sampling import PROMPT, V, assert_follows, exact_joint
+from test_lossless_sampling import V, assert_follows, exact_joint
 from test_schedule import COSTS
 from test_tree import TreeOracle, record_side_branches
 from tiny import make_drafter, make_family_target, make_target, make_tokenizer
@@ -140,26 +142,8 @@ def test_sampled_rows_with_trees_follow_the_target():
     drafter = make_drafter(model, block_size=4, layer_ids=(0, 1), mask_token_id=2, seed=7)
     params = SamplingParams(1.0, 0.9, 0)
     joint, marginal4 = exact_joint(model, params)
-    tok = make_tokenizer(V, eos_id=V)
-    mx.random.seed(13)
-    counts, counts4 = np.zeros((V, V, V)), np.zeros(V)
-    engine = BatchEngine(model, drafter, tok, max_batch=8, block_size=4, tree=5,
-                         copy_drafts=False)
-    samples, accepted = 0, 0
-    while samples < 2000:
-        ids = [engine.submit(PROMPT, max_tokens=4, temperature=1.0, top_p=0.9)
-               for _ in range(7)]
-        engine.submit([5, 6], max_tokens=6)  # a greedy row in the same passes
-        out = {i: [] for i in ids}
-        while not engine.idle:
-            for rid, r in engine.step():
-                if rid in out:
-                    out[rid] += r.tokens
-                    accepted += r.accepted
-        for tokens in out.values():
-            counts[tokens[0], tokens[1], tokens[2]] += 1
-            counts4[tokens[3]] += 1
-        samples += len(ids)
+    counts, counts4, accepted = batch_samples(model, drafter, 13, block_size=4, tree=5,
+                                              copy_drafts=False)
     assert_follows(counts, counts4, joint, marginal4)
     assert accepted > 0
 

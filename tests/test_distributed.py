@@ -6,12 +6,14 @@ and a rank that dies ends the run on the other with a clear error instead of a h
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import mlx.core as mx
 import pytest
-from distributed_run import FAMILIES, tokens
+from distributed_run import BATCH_PROMPTS, FAMILIES, tokens
+from test_lossless_greedy import reference
 from tiny import make_drafter
 
 HERE = os.path.dirname(__file__)
@@ -23,10 +25,23 @@ MLX_LAUNCH = [sys.executable, "-c",
               "--backend", "ring", "-n", "2"]
 
 
+def run_launched(cmd, timeout=300, **kw):
+    """subprocess.run in a session of its own: on a timeout the ranks go too (killing the
+    launcher alone would leave them waiting on each other)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def launch(*args, timeout=300):
     """``mlx.launch --backend ring -n 2`` of distributed_run.py on this machine."""
-    cmd = [*MLX_LAUNCH, sys.executable, os.path.join(HERE, "distributed_run.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return run_launched([*MLX_LAUNCH, sys.executable, os.path.join(HERE, "distributed_run.py"),
+                         *args], timeout)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +60,13 @@ def test_split_targets_decode_as_one_process(two_ranks, family):
     plain = tokens(model, None, max_tokens=24)
     assert got["plain"] == plain
     assert got["greedy"] == plain and got["auto"] == plain and got["tree"] == plain
+    assert got["chunked"] == plain
     mx.random.seed(7)
     assert got["sampled"] == tokens(model, drafter, max_tokens=24, block_size=4,
                                     temperature=1.0)
+    for p, batched, with_trees in zip(BATCH_PROMPTS, got["batch"], got["batch_trees"]):
+        want = reference(model, p, 16)[0]
+        assert batched == want and with_trees == want
 
 
 def test_a_rank_that_dies_ends_the_run_with_an_error(tmp_path):
@@ -79,12 +98,14 @@ def test_mlx_launch_runs_the_cli_with_rank_0_speaking(tmp_path):
                            capture_output=True, text=True, timeout=120)
     assert alone.returncode == 0, alone.stderr
     cmd = [*MLX_LAUNCH, sys.executable, "-m", "mlx_dflash.cli", *args]
-    split = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    split = run_launched(cmd)
     assert split.returncode == 0, split.stderr[-3000:]
     assert split.stdout == alone.stdout
     assert "split across 2 ranks (tensor parallel)" in split.stderr
     args[1] = "-"
-    refused = subprocess.run([*MLX_LAUNCH, sys.executable, "-m", "mlx_dflash.cli", *args],
-                             stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                             timeout=300)
+    refused = run_launched([*MLX_LAUNCH, sys.executable, "-m", "mlx_dflash.cli", *args],
+                           stdin=subprocess.DEVNULL)
     assert "pass the prompt as an argument" in refused.stderr
+    chat = run_launched([*MLX_LAUNCH, sys.executable, "-m", "mlx_dflash.cli", "chat",
+                         "--model", str(target_dir)], stdin=subprocess.DEVNULL)
+    assert "chat does not run across machines" in chat.stderr

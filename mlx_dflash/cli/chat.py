@@ -9,7 +9,7 @@ import typer
 
 from ..policy import COPY_DRAFTS
 from .app import app, fail
-from .common import TREE_HELP, PrefillProgress, load_pair, parse_tree
+from .common import TREE_HELP, PrefillProgress, alone, load_pair, parse_tree
 
 COMMANDS = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 CONVERSATION_ENTRIES = 3  # cache entries a chat keeps: its last reply, and checkpoints
@@ -89,6 +89,7 @@ def chat(
     """
     if top_p == 0:
         fail("--top-p must be in (0, 1]")
+    alone("chat")
     tree_size = parse_tree(tree)
     import mlx.core as mx
 

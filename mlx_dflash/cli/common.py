@@ -75,6 +75,16 @@ def _split(target: Any, draft: Any, tokenizer: Any) -> tuple:
     return target, draft, tokenizer
 
 
+def alone(command: str) -> None:
+    """Refuse to run ``command`` as one of several ranks (under mlx.launch): it does not run
+    across machines yet."""
+    from .. import distributed
+
+    if distributed.init() is not None:
+        fail(f"mlx-dflash {command} does not run across machines (under mlx.launch) yet; "
+             "mlx-dflash generate does")
+
+
 def chat_prompt(tokenizer: Any, text: str, use_template: bool = True) -> str | list[int]:
     """Wrap a user message in the chat template when the tokenizer has one (like mlx_lm)."""
     if use_template and getattr(tokenizer, "has_chat_template", False):

@@ -10,7 +10,7 @@ import typer
 
 from ..policy import COPY_DRAFTS
 from .app import app, fail
-from .common import TREE_HELP, load_pair, parse_size, parse_tree
+from .common import TREE_HELP, alone, load_pair, parse_size, parse_tree
 
 
 def _size(option: str, value: str | None) -> int | None:
@@ -100,6 +100,7 @@ def serve(
         fail(f"{e.name} is needed for serving: pip install fastapi uvicorn")
     from ..default_pair import DEFAULT_TARGET_NAME
 
+    alone("serve")
     tree_size = parse_tree(tree)
     budget = _size("--model-memory", model_memory)
     cache = CacheSettings(_size("--cache-memory", cache_memory), cache_dir,
