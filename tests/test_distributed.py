@@ -26,7 +26,7 @@ MLX_LAUNCH = [sys.executable, "-c",
 
 
 def run_launched(cmd, timeout=300, **kw):
-    """subprocess.run in a session of its own: on a timeout the ranks go too (killing the
+    """subprocess.run in a process group of its own: on a timeout the ranks go too (killing the
     launcher alone would leave them waiting on each other)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, **kw)
