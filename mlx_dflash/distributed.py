@@ -123,7 +123,9 @@ def shard_target(model: nn.Module, group: mx.distributed.Group | None = None,
                              "tensor: mlx-lm gives it no tensor-parallel sharding (model.shard)")
         if not divisible:
             raise ValueError(f"model type '{model_type}': {heads[0]} query / {heads[1]} "
-                             f"key-value heads do not divide among {n} ranks")
+                             f"key-value heads do not divide among {n} ranks"
+                             + ("" if can_pipeline else " (and mlx-lm cannot split it by "
+                                "layers): run a number of ranks that divides them"))
         text.shard(group)
     else:
         if not can_pipeline:
