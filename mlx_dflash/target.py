@@ -32,6 +32,11 @@ is its path's last, and the accepted path's state is the one its own batch row e
 length per row, mlx-lm's right padding, stops each state at its path's end). Every family the
 table covers takes tree passes (``tree_ready``), checked on first use against ordinary passes
 and a continuation after ``keep_rows`` (with a context that wraps the window).
+
+Split across machines by layers (mlx-lm's pipeline, distributed.py), each rank's Target runs its
+own stage's layers (its caches, kinds and masks are those layers'), receives the hidden state
+from the stage before and sends it on, as mlx-lm's model does; one gather then gives every rank
+the last stage's output and every stage's tap features.
 """
 
 from __future__ import annotations
