@@ -19,7 +19,7 @@ import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -119,73 +119,78 @@ def measure_costs(target: Target, drafter: Drafter, max_tokens: int, reps: int =
 
 def _cache_file(target: Target, drafter: Drafter, max_tokens: int) -> Path:
     # "interleaved": snapshots timed pass after pass (before best_times) are measured anew.
+    split = [f"ranks{distributed.group().size()}"] if distributed.group() is not None else []
     key = json.dumps(["propose", "interleaved", target_fingerprint(target),
                       *drafter.pass_key(), max_tokens, platform.node(),
                       platform.machine(), mx.__version__, str(mx.default_device()),
-                      os.environ.get("MLX_DFLASH_FAST_BLAS", "1")], sort_keys=True)
+                      os.environ.get("MLX_DFLASH_FAST_BLAS", "1"), *split], sort_keys=True)
     name = hashlib.sha256(key.encode()).hexdigest()[:20]
     return cache_root() / "costs" / f"{name}.json"
 
 
-def _read_costs(path: Path) -> PassCosts | None:
+def _read_json(path: Path) -> dict | None:
     try:
-        data = json.loads(path.read_text())
-        return PassCosts({int(k): v for k, v in data["verify_s"].items()}, data["draft_s"],
-                         tuple(data["contexts"]), tuple(data["sizes"]))
-    except (OSError, ValueError, KeyError):
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
         return None
 
 
-def _write_costs(path: Path, costs: PassCosts) -> None:
+def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(costs)))
+    tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
 
 
-def _timing_note() -> None:
-    import sys
-
-    print("Timing target and drafter passes for the block scheduler (once per model pair "
-          "and machine) ...", file=sys.stderr, flush=True)
+def _cached(path: Path, read: Callable[[dict], Any], measure: Callable[[], Any],
+            to_json: Callable[[Any], dict], flat: Callable[[Any], list[float]],
+            unflat: Callable[[np.ndarray], Any], size: int) -> Any:
+    """Costs read from ``path`` (``read``: None when they do not fit), or measured and written
+    there. Across machines (distributed.py) every rank takes rank 0's: read on rank 0, or
+    measured by all ranks together (the split passes need every rank), then sent as ``size``
+    numbers (``flat`` / ``unflat``)."""
+    data = _read_json(path) if distributed.is_root() else None
+    try:
+        costs = read(data) if data is not None else None
+    except (KeyError, ValueError, TypeError, AttributeError):  # another version's file
+        costs = None
+    measured = not distributed.from_root([costs is not None])[0]
+    if measured:
+        costs = measure()
+    if distributed.group() is not None:
+        values = flat(costs) if distributed.is_root() else np.zeros(size)
+        costs = unflat(distributed.from_root(values).astype(float))
+    if measured and distributed.is_root():
+        _write_json(path, to_json(costs))
+    return costs
 
 
 def cached_costs(target: Target, drafter: Drafter, max_tokens: int) -> PassCosts:
     """The pass costs for this model pair and machine, measured on first use (a few seconds).
     Across machines (distributed.py) every rank takes rank 0's."""
-    if distributed.group() is not None:
-        return _common_costs(target, drafter, max_tokens)
-    path = _cache_file(target, drafter, max_tokens)
-    costs = _read_costs(path)
-    if costs is None:
-        _timing_note()
-        costs = measure_costs(target, drafter, max_tokens)
-        _write_costs(path, costs)
-    return costs
-
-
-def _common_costs(target: Target, drafter: Drafter, max_tokens: int) -> PassCosts:
-    """Rank 0's pass costs on every rank: read from its file, or measured by all ranks together
-    (the sharded passes need every rank) and then taken from rank 0."""
-    path = _cache_file(target, drafter, max_tokens).with_suffix(
-        f".ranks{distributed.group().size()}.json")
     sizes = _sizes(max_tokens)
-    costs = _read_costs(path) if distributed.is_root() else None
-    if costs is not None and (costs.contexts, costs.sizes) != (CONTEXTS, sizes):
-        costs = None
-    if not distributed.from_root([costs is not None])[0]:
+
+    def read(data: dict) -> PassCosts | None:
+        costs = PassCosts({int(k): v for k, v in data["verify_s"].items()}, data["draft_s"],
+                          tuple(data["contexts"]), tuple(data["sizes"]))
+        return costs if (costs.contexts, costs.sizes) == (CONTEXTS, sizes) else None
+
+    def measure() -> PassCosts:
         if distributed.is_root():
-            _timing_note()
-        costs = measure_costs(target, drafter, max_tokens)
-    flat = np.array([v for c in CONTEXTS for v in costs.verify_s[c]] + [costs.draft_s]
-                    if distributed.is_root() else np.zeros(len(CONTEXTS) * len(sizes) + 1))
-    flat = distributed.from_root(flat).astype(float)
-    verify = flat[:-1].reshape(len(CONTEXTS), len(sizes))
-    common = PassCosts({c: verify[i].tolist() for i, c in enumerate(CONTEXTS)}, float(flat[-1]),
-                       CONTEXTS, sizes)
-    if distributed.is_root():
-        _write_costs(path, common)
-    return common
+            import sys
+
+            print("Timing target and drafter passes for the block scheduler (once per model "
+                  "pair and machine) ...", file=sys.stderr, flush=True)
+        return measure_costs(target, drafter, max_tokens)
+
+    def unflat(v: np.ndarray) -> PassCosts:
+        verify = v[:-1].reshape(len(CONTEXTS), len(sizes))
+        return PassCosts({c: verify[i].tolist() for i, c in enumerate(CONTEXTS)}, float(v[-1]),
+                         CONTEXTS, sizes)
+
+    return _cached(_cache_file(target, drafter, max_tokens), read, measure, asdict,
+                   lambda c: [v for ctx in CONTEXTS for v in c.verify_s[ctx]] + [c.draft_s],
+                   unflat, len(CONTEXTS) * len(sizes) + 1)
 
 
 _run_headroom: list[int] = []  # across machines: the smallest over the ranks, read once
@@ -440,51 +445,29 @@ def cached_batch_costs(target: Target, drafter: Drafter, max_tokens: int) -> Bat
     """A batch's pass costs for this model pair and machine, measured on first use. Across
     machines (distributed.py) every rank takes rank 0's."""
     single = cached_costs(target, drafter, max_tokens)
-    path = _cache_file(target, drafter, max_tokens).with_suffix(".batch.json")
-    sizes = _sizes(max_tokens)
-    if distributed.group() is not None:
-        path = path.with_suffix(f".ranks{distributed.group().size()}.json")
-        costs = _read_batch_costs(path, single) if distributed.is_root() else None
-        if costs is not None and (costs.sizes, costs.rows) != (sizes, BATCH_ROWS):
-            costs = None
-        measured = not distributed.from_root([costs is not None])[0]
-        if measured:
-            costs = _measure_batch_costs(target, drafter, max_tokens, single)
-        flat = np.array([v for r in BATCH_ROWS for v in costs.ratio[r]]
-                        + [costs.draft_ratio[r] for r in BATCH_ROWS]
-                        if distributed.is_root() else np.zeros(len(BATCH_ROWS) * (len(sizes) + 1)))
-        flat = distributed.from_root(flat).astype(float)
-        ratio = flat[: len(BATCH_ROWS) * len(sizes)].reshape(len(BATCH_ROWS), len(sizes))
-        costs = BatchCosts(single, {r: ratio[i].tolist() for i, r in enumerate(BATCH_ROWS)},
-                           sizes, BATCH_ROWS, dict(zip(BATCH_ROWS, flat[-len(BATCH_ROWS):])))
-    else:
-        costs = _read_batch_costs(path, single)
-        measured = costs is None
-        if measured:
-            costs = _measure_batch_costs(target, drafter, max_tokens, single)
-    if measured and distributed.is_root():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"ratio": costs.ratio, "sizes": costs.sizes,
-                                   "rows": costs.rows, "draft_ratio": costs.draft_ratio}))
-        os.replace(tmp, path)
-    return costs
+    sizes, rows = _sizes(max_tokens), BATCH_ROWS
 
+    def read(data: dict) -> BatchCosts | None:
+        costs = BatchCosts(single, {int(k): v for k, v in data["ratio"].items()},
+                           tuple(data["sizes"]), tuple(data["rows"]),
+                           {int(k): v for k, v in data["draft_ratio"].items()})
+        return costs if (costs.sizes, costs.rows) == (sizes, rows) else None
 
-def _read_batch_costs(path: Path, single: PassCosts) -> BatchCosts | None:
-    try:
-        data = json.loads(path.read_text())
-        return BatchCosts(single, {int(k): v for k, v in data["ratio"].items()},
-                          tuple(data["sizes"]), tuple(data["rows"]),
-                          {int(k): v for k, v in data["draft_ratio"].items()})
-    except (OSError, ValueError, KeyError):
-        return None
+    def measure() -> BatchCosts:
+        return BatchCosts(single, measure_batch_ratios(target, max_tokens), sizes,
+                          draft_ratio=measure_draft_ratios(target, drafter, max_tokens))
 
+    def unflat(v: np.ndarray) -> BatchCosts:
+        ratio = v[: len(rows) * len(sizes)].reshape(len(rows), len(sizes))
+        return BatchCosts(single, {r: ratio[i].tolist() for i, r in enumerate(rows)}, sizes,
+                          rows, dict(zip(rows, v[-len(rows):].tolist())))
 
-def _measure_batch_costs(target: Target, drafter: Drafter, max_tokens: int, single: PassCosts
-                         ) -> BatchCosts:
-    return BatchCosts(single, measure_batch_ratios(target, max_tokens), _sizes(max_tokens),
-                      draft_ratio=measure_draft_ratios(target, drafter, max_tokens))
+    return _cached(_cache_file(target, drafter, max_tokens).with_suffix(".batch.json"), read,
+                   measure, lambda c: {"ratio": c.ratio, "sizes": c.sizes, "rows": c.rows,
+                                       "draft_ratio": c.draft_ratio},
+                   lambda c: [v for r in rows for v in c.ratio[r]]
+                   + [c.draft_ratio[r] for r in rows],
+                   unflat, len(rows) * (len(sizes) + 1))
 
 
 def plan_batch(schedulers: Sequence[Scheduler], rooms: Sequence[int],
