@@ -274,12 +274,8 @@ class BatchEngine:
         for r, cycle in zip(self.running, cycles):
             accepted, tokens = cycle.resolve()
             r.policy.observe(cycle, accepted)
-            if isinstance(cycle, TreeCycle):
-                r.spec.backlog.append(cycle.features[:, mx.array(cycle.kept)])
-                kept.append(cycle.kept)
-            else:
-                r.spec.queue_features(cycle, accepted)
-                kept.append(list(range(accepted + 1)))
+            r.spec.queue_features(cycle, accepted)
+            kept.append(cycle.kept if isinstance(cycle, TreeCycle) else list(range(accepted + 1)))
             r.anchor = cycle.next_tokens[accepted : accepted + 1]
             r.stats.record(cycle, accepted)
             self._commit(r, tokens, accepted, responses)
@@ -357,7 +353,10 @@ class BatchEngine:
         block, one pass verifies, ranked together by survival against the batched pass's
         cost; one sync reads the trees' scores. A tree cut to no node leaves its request a
         plain step. Returns the plans and the kept nodes' scores."""
-        scores = {i: t.scores.tolist() for i, t in trees.items()}
+        read = mx.concatenate([t.scores for t in trees.values()]).tolist()  # one sync for all
+        scores, at = {}, 0
+        for i, t in trees.items():
+            scores[i], at = read[at : at + len(t)], at + len(t)
         survival = []
         for i, (r, (_, block, _)) in enumerate(zip(self.running, plans)):
             if i in trees:

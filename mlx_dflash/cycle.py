@@ -222,17 +222,19 @@ class Speculator:
         anchor's and the accepted path's rows."""
         if isinstance(cycle, TreeCycle):
             self.target.keep_rows(self.cache, cycle.kept)
-            if self.drafter is not None:
-                self.backlog.append(cycle.features[:, mx.array(cycle.kept)])
-            return
-        self.target.rollback(self.cache, cycle.num_drafts - accepted)
+        else:
+            self.target.rollback(self.cache, cycle.num_drafts - accepted)
         if not fed:
             self.queue_features(cycle, accepted)
 
     def queue_features(self, cycle: Cycle, accepted: int) -> None:
-        """The accepted positions' features (the anchor's and the accepted drafts'), read by
-        the drafter when it next drafts."""
-        if self.drafter is not None:
+        """The accepted positions' features (the anchor's and the accepted drafts', or a
+        tree's accepted path's), read by the drafter when it next drafts."""
+        if self.drafter is None:
+            return
+        if isinstance(cycle, TreeCycle):
+            self.backlog.append(cycle.features[:, mx.array(cycle.kept)])
+        else:
             self.backlog.append(cycle.features[:, : accepted + 1])
 
     def hold(self, tokens: Sequence[int]) -> None:

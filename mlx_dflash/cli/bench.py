@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from .app import app, fail
-from .common import load_pair
+from .common import load_pair, parse_tree
 
 
 @app.command()
@@ -59,12 +59,7 @@ def bench(
         sets = load_prompt_sets([str(f) for f in prompts], limit)
     except ValueError as e:
         fail(str(e))
-    try:
-        trees = [t if t == "auto" else int(t) for t in tree]
-    except ValueError:
-        fail(f"--tree takes a number of nodes or 'auto', got {tree}")
-    if any(t != "auto" and t < 1 for t in trees):
-        fail("--tree needs at least 1 node")
+    trees = [parse_tree(t) for t in tree]
     target, draft, tokenizer = load_pair(model, resolve_drafter(drafter) if drafter else None)
     if draft is None:
         fail("bench needs a drafter (--drafter)")
