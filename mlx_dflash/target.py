@@ -419,9 +419,8 @@ class Target:
         # A pipeline stage (distributed.py) runs layers start..end-1 only; caches, kinds and
         # masks below are its own layers', in order; tap layer ids stay global.
         self.stages = int(getattr(inner, "pipeline_size", 1))
-        start = getattr(inner, "start_idx", 0) if self.stages > 1 else 0
-        end = (getattr(inner, "end_idx", None) or len(inner.layers)) if self.stages > 1 else None
-        self.here = list(range(start, end if end is not None else len(inner.layers)))
+        start, end = (inner.start_idx, inner.end_idx) if self.stages > 1 else (0, len(inner.layers))
+        self.here = list(range(start, end))
         self.layers_here = [inner.layers[i] for i in self.here]
         self.num_layers = (int(args.num_hidden_layers) if self.stages > 1
                            else len(inner.layers))
@@ -510,7 +509,7 @@ class Target:
         if mask is None:
             masks = self._masks(h, cache)
         else:
-            masks = mask if isinstance(mask, list) else [mask] * self.num_layers
+            masks = mask if isinstance(mask, list) else [mask] * len(self.layers_here)
         tracked = isinstance(cache, TargetCache)
         recurrent = [] if record and tracked else None
         taps = {}
