@@ -26,6 +26,7 @@ has stopped them first.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -68,6 +69,20 @@ def from_root(values: Any, dtype: Any = np.float32) -> np.ndarray:
         return values
     mine = mx.array(values if is_root() else np.zeros_like(values))
     return np.array(mx.distributed.all_sum(mine, group=_group, stream=mx.cpu))
+
+
+def share(obj: Any) -> Any:
+    """Rank 0's ``obj`` (anything JSON can write) on every rank; what the others pass is
+    ignored. Two messages (its size, then its bytes), one for None. As in mlx-lm's server, a
+    rank waiting here polls its link (it keeps a core busy until rank 0 sends)."""
+    if _group is None:
+        return obj
+    data = json.dumps(obj).encode() if is_root() and obj is not None else b""
+    size = int(from_root([len(data)], np.int32)[0])
+    if size == 0:
+        return None
+    data = from_root(np.frombuffer(data, np.uint8) if is_root() else np.zeros(size), np.uint8)
+    return json.loads(data.tobytes())
 
 
 def smallest(value: float) -> float:

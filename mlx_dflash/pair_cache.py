@@ -44,9 +44,9 @@ class PairCache:
         """Make the empty caches a first use needs; check that a used pair fits the models."""
         if self.target is None:
             self.target = target.make_cache()
-        elif len(self.target) != target.num_layers:
+        elif len(self.target) != len(target.layers_here):  # split by layers: this rank's
             raise ValueError(f"the prompt cache has {len(self.target)} target layers, the target "
-                             f"{target.num_layers}")
+                             f"{len(target.layers_here)}")
         if drafter is None:
             self.drafter = None  # the drafter's context stops following the target
         elif self.drafter is None:

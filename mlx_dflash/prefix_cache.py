@@ -36,6 +36,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+from . import distributed
 from .fingerprint import array_bytes
 from .pair_cache import PairCache
 from .target import TargetCache, positions_held
@@ -67,6 +68,12 @@ def _ids(tokens: Sequence[int]) -> np.ndarray:
 
 def _key(ids: np.ndarray) -> str:
     return hashlib.sha256(ids.astype("<i8").tobytes()).hexdigest()[:40]
+
+
+def _size(pair: PairCache) -> int:
+    """The pair's bytes; across machines rank 0's, so that every rank keeps and evicts alike
+    (split by layers, each rank holds a different share of the caches)."""
+    return int(distributed.from_root([pair.nbytes])[0])
 
 
 @dataclass(eq=False)
@@ -122,7 +129,7 @@ class PrefixCache:
             disk_key, n = self.disk.best(prompt)
             if n > best and (pair := self.disk.load(disk_key)) is not None:
                 key, best = disk_key, n
-                entry = _Entry(pair, _ids(pair.tokens), pair.nbytes, pair.trimmable())
+                entry = _Entry(pair, _ids(pair.tokens), _size(pair), pair.trimmable())
                 self._add(key, entry)  # kept in memory too, if it fits
         if entry is None:
             return PairCache(), 0
@@ -144,7 +151,7 @@ class PrefixCache:
             return
         ids = _ids(pair.tokens)
         key = _key(ids)
-        entry = _Entry(pair, ids, pair.nbytes, pair.trimmable())
+        entry = _Entry(pair, ids, _size(pair), pair.trimmable())
         self._pop(key)
         if entry.trimmable:  # it can stand in for any entry holding a prefix of it
             for k in [k for k, e in self._entries.items() if _is_prefix(e.ids, ids)]:

@@ -152,6 +152,8 @@ def _cached(path: Path, read: Callable[[dict], Any], measure: Callable[[], Any],
     data = _read_json(path) if distributed.is_root() else None
     try:
         costs = read(data) if data is not None else None
+        if costs is not None and min(flat(costs)) <= 0:  # a broken measurement: measure anew
+            costs = None
     except (KeyError, ValueError, TypeError, AttributeError):  # another version's file
         costs = None
     measured = not distributed.from_root([costs is not None])[0]

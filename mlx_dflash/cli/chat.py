@@ -9,7 +9,7 @@ import typer
 
 from ..policy import COPY_DRAFTS
 from .app import app, fail
-from .common import TREE_HELP, PrefillProgress, alone, load_pair, parse_tree
+from .common import SPLIT_HELP, TREE_HELP, PrefillProgress, load_pair, parse_split, parse_tree
 
 COMMANDS = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 CONVERSATION_ENTRIES = 3  # cache entries a chat keeps: its last reply, and checkpoints
@@ -80,6 +80,7 @@ def chat(
                               help="Copy drafts: verify what followed an earlier occurrence of "
                               "the last tokens when there is one."),
     tree: Optional[str] = typer.Option(None, "--tree", help=TREE_HELP),
+    split: str = typer.Option("auto", "--split", help=SPLIT_HELP),
 ) -> None:
     """Chat with the model (multi-turn, its chat template), one statistics line per reply.
 
@@ -89,16 +90,18 @@ def chat(
     """
     if top_p == 0:
         fail("--top-p must be in (0, 1]")
-    alone("chat")
-    tree_size = parse_tree(tree)
+    tree_size, split = parse_tree(tree), parse_split(split)
     import mlx.core as mx
 
+    from .. import distributed
     from ..decode import stream_generate_cached
     from ..drafters.base import verify_width
     from ..prefix_cache import PrefixCache
 
+    distributed.init()
+    speak = distributed.is_root()  # under mlx.launch rank 0 reads and prints; the rest follow
     tic = time.perf_counter()
-    target, draft, tokenizer = load_pair(model, drafter)
+    target, draft, tokenizer = load_pair(model, drafter, split=split)
     if not getattr(tokenizer, "has_chat_template", False):
         fail(f"the tokenizer of {model or 'the default model'} has no chat template; "
              "use `mlx-dflash generate --no-chat-template` for plain text completion")
@@ -111,10 +114,13 @@ def chat(
 
         # trees verify up to TREE_MAX + 1 tokens: their passes are timed that far
         costs = cached_costs(as_target(target), draft, max(B, TREE_MAX + 1) if tree else B)
-        typer.echo(f"  target 1-token pass {costs.verify(1, 128) * 1e3:.1f} ms, {B}-token pass "
-                   f"{costs.verify(B, 128) * 1e3:.1f} ms; drafter pass "
-                   f"{costs.draft_s * 1e3:.1f} ms", err=True)
-    typer.echo(f"Ready in {time.perf_counter() - tic:.1f} s. {COMMANDS}.", err=True)
+        if speak:
+            typer.echo(f"  target 1-token pass {costs.verify(1, 128) * 1e3:.1f} ms, {B}-token "
+                       f"pass {costs.verify(B, 128) * 1e3:.1f} ms; drafter pass "
+                       f"{costs.draft_s * 1e3:.1f} ms", err=True)
+    if speak:
+        typer.echo(f"Ready in {time.perf_counter() - tic:.1f} s. {COMMANDS}.", err=True)
+    seed = distributed.common_seed(seed)
     if seed is not None:
         mx.random.seed(seed)
 
@@ -126,10 +132,8 @@ def chat(
     messages = list(start)
     conversation = PrefixCache(1 << 62, max_entries=CONVERSATION_ENTRIES)  # its caches
     while True:
-        try:
-            text = input(">> ")
-        except (EOFError, KeyboardInterrupt):
-            print()
+        text = _read_line(speak)
+        if text is None:
             return
         stripped = text.strip()
         if not stripped:
@@ -139,18 +143,20 @@ def chat(
         if stripped == "/reset":
             messages = list(start)
             conversation.clear()
-            typer.echo("[conversation cleared]", err=True)
+            if speak:
+                typer.echo("[conversation cleared]", err=True)
             continue
         if stripped == "/help":
-            typer.echo(COMMANDS, err=True)
+            if speak:
+                typer.echo(COMMANDS, err=True)
             continue
 
         messages.append({"role": "user", "content": text})
         prompt, dropped = fit_context(tokenizer, messages, max_kv_size, max_tokens)
-        if dropped:
+        if dropped and speak:
             typer.echo(f"[dropped the {dropped} oldest messages to stay within --max-kv-size]",
                        err=True)
-        progress = PrefillProgress()
+        progress = PrefillProgress() if speak else None
         reply, last = [], None
         gen = stream_generate_cached(
             conversation, target, draft, tokenizer, prompt, take=True, max_tokens=max_tokens,
@@ -159,20 +165,29 @@ def chat(
         )
         try:
             for last in gen:
-                progress.clear()
                 reply.append(last.text)
-                print(last.text, end="", flush=True)
+                if speak:
+                    progress.clear()
+                    print(last.text, end="", flush=True)
         except ValueError as e:  # a request the pair cannot serve (trees on a hybrid target)
             fail(str(e))
+        except RuntimeError as e:  # across machines: another rank failed or was stopped
+            if distributed.group() is None:
+                raise
+            fail(f"rank {distributed.rank()}: the run across machines broke off: {e}")
         except KeyboardInterrupt:
+            if distributed.group() is not None:  # the other ranks cannot stop mid-reply
+                fail("stopped")
             gen.close()  # keeps what can be kept of the caches
             progress.clear()
             messages.pop()  # the turn never completed: forget it
             print()
             typer.echo("[reply stopped; the turn was dropped]", err=True)
             continue
-        print(flush=True)
         messages.append({"role": "assistant", "content": "".join(reply)})
+        if not speak:
+            continue
+        print(flush=True)
         if last is not None:
             s = last.stats
             speedup = estimate_speedup(s, costs, len(prompt) + s.generation_tokens)
@@ -183,3 +198,17 @@ def chat(
                 f"{s.prompt_tokens} prompt tokens]",
                 fg=typer.colors.CYAN, err=True,
             )
+
+
+def _read_line(speak: bool) -> str | None:
+    """The next message typed (None: quit). Under mlx.launch rank 0 reads it and sends it on
+    (mlx.launch passes the terminal's lines on, but not its end)."""
+    from .. import distributed
+
+    text = None
+    if speak:
+        try:
+            text = input(">> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+    return distributed.share(text)

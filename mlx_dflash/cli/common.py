@@ -33,9 +33,11 @@ class PrefillProgress:
         self.active = False
 
 
-def load_pair(model: str | None, drafter: str | None, block_size: int | None = None) -> tuple:
+def load_pair(model: str | None, drafter: str | None, block_size: int | None = None,
+              split: str = "auto") -> tuple:
     """(model, drafter, tokenizer). No --model: the package's default pair. Under mlx.launch
-    (several ranks, distributed.py) the target is split across them."""
+    (several ranks, distributed.py) the target is split across them (``split``: how, see
+    ``distributed.shard_target``)."""
     from mlx_lm import load
 
     from .. import distributed
@@ -45,7 +47,7 @@ def load_pair(model: str | None, drafter: str | None, block_size: int | None = N
         if model is None and drafter is None:
             from ..default_pair import load_default
 
-            return _split(*load_default(progress=distributed.is_root()))
+            return _split(*load_default(progress=distributed.is_root()), split)
         if model is None:  # the default target with another drafter
             from ..default_pair import ensure_default_target
 
@@ -57,32 +59,37 @@ def load_pair(model: str | None, drafter: str | None, block_size: int | None = N
         draft = None
         if drafter is not None and drafter.lower() != "none":
             draft = load_drafter(drafter, model=target)
-        return _split(target, draft, tokenizer)
+        return _split(target, draft, tokenizer, split)
     except (FileNotFoundError, NotADirectoryError, DrafterMismatchError, ValueError,
             NotImplementedError) as e:
         fail(str(e))
 
 
-def _split(target: Any, draft: Any, tokenizer: Any) -> tuple:
+def _split(target: Any, draft: Any, tokenizer: Any, split: str) -> tuple:
     """The pair with its target split across the run's ranks, when there are several."""
     from .. import distributed
 
     if distributed.group() is not None:
-        how = distributed.shard_target(target)
+        how = distributed.shard_target(target, mode=split)
         if distributed.is_root():
             print(f"Target split across {distributed.group().size()} ranks ({how} parallel)",
                   file=sys.stderr)
     return target, draft, tokenizer
 
 
-def alone(command: str) -> None:
-    """Refuse to run ``command`` as one of several ranks (under mlx.launch): it does not run
-    across machines yet."""
-    from .. import distributed
+SPLIT_HELP = ("Under mlx.launch, how the target is split across the ranks: 'tensor' (every "
+              "layer by heads: two messages a layer per pass), 'pipeline' (runs of whole "
+              "layers: a few messages per pass, however deep; better over slow links), or "
+              "'auto' "
+              "(tensor where the heads divide).")
+SPLITS = ("auto", "tensor", "pipeline")
 
-    if distributed.init() is not None:
-        fail(f"mlx-dflash {command} does not run across machines (under mlx.launch) yet; "
-             "mlx-dflash generate does")
+
+def parse_split(text: str) -> str:
+    """--split: one of SPLITS."""
+    if text not in SPLITS:
+        fail(f"--split takes {', '.join(SPLITS)}, got {text!r}")
+    return text
 
 
 def chat_prompt(tokenizer: Any, text: str, use_template: bool = True) -> str | list[int]:

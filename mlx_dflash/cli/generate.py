@@ -9,7 +9,8 @@ import typer
 
 from ..policy import COPY_DRAFTS
 from .app import app, fail
-from .common import TREE_HELP, PrefillProgress, chat_prompt, load_pair, parse_tree
+from .common import (SPLIT_HELP, TREE_HELP, PrefillProgress, chat_prompt, load_pair, parse_split,
+                     parse_tree)
 
 
 @app.command()
@@ -27,6 +28,7 @@ def generate(
     block_size: Optional[int] = typer.Option(None, "--block-size", "-b", min=1,
                                              help="Block size (default: the drafter's)."),
     tree: Optional[str] = typer.Option(None, "--tree", help=TREE_HELP),
+    split: str = typer.Option("auto", "--split", help=SPLIT_HELP),
     seed: Optional[int] = typer.Option(None, "--seed"),
     no_chat_template: bool = typer.Option(False, "--no-chat-template",
                                           help="Send the prompt as raw text."),
@@ -41,9 +43,9 @@ def generate(
     distributed.init()
     text = prompt if prompt is not None else prompt_arg
     if text == "-":
-        if distributed.group() is not None:  # mlx.launch does not pass stdin on
-            fail("under mlx.launch, pass the prompt as an argument (stdin does not reach "
-                 "the ranks)")
+        if distributed.group() is not None:  # mlx.launch passes lines on, never the end
+            fail("under mlx.launch, pass the prompt as an argument (mlx.launch never passes "
+                 "the end of stdin on: reading it would not end)")
         text = sys.stdin.read()
     if not text:
         fail("no prompt given (pass it as an argument or with --prompt)")
@@ -54,7 +56,7 @@ def generate(
 
     from ..decode import stream_generate
 
-    target, draft, tokenizer = load_pair(model, drafter)
+    target, draft, tokenizer = load_pair(model, drafter, split=parse_split(split))
     seed = distributed.common_seed(seed)
     if seed is not None:
         mx.random.seed(seed)

@@ -10,7 +10,7 @@ import typer
 
 from ..policy import COPY_DRAFTS
 from .app import app, fail
-from .common import TREE_HELP, alone, load_pair, parse_size, parse_tree
+from .common import SPLIT_HELP, TREE_HELP, load_pair, parse_size, parse_split, parse_tree
 
 
 def _size(option: str, value: str | None) -> int | None:
@@ -88,6 +88,7 @@ def serve(
                               "the last tokens when there is one."),
     tree: Optional[str] = typer.Option(None, "--tree", help=TREE_HELP + " Models whose pair "
                                        "takes no trees are served with chains."),
+    split: str = typer.Option("auto", "--split", help=SPLIT_HELP),
 ) -> None:
     """Serve models over OpenAI- and Anthropic-compatible APIs (/v1/chat/completions,
     /v1/completions, /v1/messages, /v1/models)."""
@@ -98,17 +99,20 @@ def serve(
         from ..server.models import CacheSettings, lazy_model
     except ModuleNotFoundError as e:
         fail(f"{e.name} is needed for serving: pip install fastapi uvicorn")
+    from .. import distributed
     from ..default_pair import DEFAULT_TARGET_NAME
 
-    alone("serve")
-    tree_size = parse_tree(tree)
+    tree_size, split = parse_tree(tree), parse_split(split)
     budget = _size("--model-memory", model_memory)
     cache = CacheSettings(_size("--cache-memory", cache_memory), cache_dir,
                           _size("--cache-disk", cache_disk))
+    entries = _entries(model, drafter, model_name, models_config)
+    if distributed.init() is not None:
+        _across_machines(entries, cache)
     served = []
-    for entry in _entries(model, drafter, model_name, models_config):
+    for entry in entries:
         name = entry.name or entry.model or DEFAULT_TARGET_NAME
-        load = functools.partial(load_pair, entry.model, entry.drafter)
+        load = functools.partial(load_pair, entry.model, entry.drafter, split=split)
         served.append(lazy_model(name, load, block_size=entry.block_size or block_size,
                                  max_context=max_context))
         if budget is not None and len(served) > 1 and sum(s.nbytes for s in served) > budget:
@@ -119,9 +123,38 @@ def serve(
                                 tree=tree_size)
     except ValueError as e:
         fail(str(e))
+    if not distributed.is_root():  # rank 0 serves; this rank runs its engine steps
+        _follow(server_app.state.worker)
+        return
     names = ", ".join(f"'{s.name}'" for s in served)
     typer.secho(f"Serving {names} at http://{host}:{port}/v1"
                 + (" (API key required)" if api_key else ""), fg=typer.colors.CYAN, err=True)
     # A bounded graceful shutdown: on Ctrl-C, open streams get 5 s, then they are cancelled.
     uvicorn.run(server_app, host=host, port=port, log_level=log_level,
                 timeout_graceful_shutdown=5)
+
+
+def _across_machines(entries: list, cache: object) -> None:
+    """Under mlx.launch: refuse what does not run across machines yet, and make the ranks
+    sample alike."""
+    import mlx.core as mx
+
+    from .. import distributed
+
+    if len(entries) > 1:
+        fail("across machines (under mlx.launch) serve one model: give one --model")
+    if cache.directory is not None:
+        fail("--cache-dir does not run across machines (under mlx.launch): every rank holds "
+             "a part of each cache")
+    mx.random.seed(distributed.common_seed(None))  # requests without a seed draw alike
+
+
+def _follow(worker: object) -> None:
+    """A rank other than 0: run the engine steps rank 0 runs, until it stops serving."""
+    from .. import distributed
+    from ..server.ranks import follow
+
+    try:
+        follow(worker)
+    except Exception as e:  # noqa: BLE001 (any failure ends this rank, saying why)
+        fail(f"rank {distributed.rank()}: the run across machines broke off: {e}")

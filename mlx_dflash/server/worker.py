@@ -15,7 +15,9 @@ import asyncio
 import atexit
 import itertools
 import logging
+import os
 import queue
+import signal
 import threading
 import weakref
 from collections import deque
@@ -24,11 +26,13 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import mlx.core as mx
 
+from .. import distributed
 from ..batch import BatchEngine, BatchNotSupported
 from ..decode import GenerationResponse, check_tree, stream_generate, stream_generate_cached
 from ..policy import COPY_DRAFTS
 from ..target import as_target
 from .models import ModelPool
+from .ranks import LeadingEngine, send
 from .stops import StopMatcher
 
 log = logging.getLogger("mlx_dflash.server")
@@ -205,6 +209,10 @@ class SequentialEngine:
             log.exception("storing the prompt cache failed")
 
 
+class _RanksParted(Exception):
+    """A step failed across machines: the ranks' engines can no longer be trusted to agree."""
+
+
 @dataclass
 class _Active:
     """A job inside an engine."""
@@ -231,6 +239,8 @@ class ModelWorker:
         self._engine: Engine | None = None
         self._model: str | None = None  # the engine's model
         self._active: dict[int, _Active] = {}  # engine request id -> its job
+        # Across machines (ranks.py): what the other ranks are told before each engine step.
+        self._outbox: list | None = [] if distributed.group() is not None else None
         self.running = self.waiting = 0  # jobs decoding / queued (read by /health)
         _live_workers.add(self)
 
@@ -272,8 +282,16 @@ class ModelWorker:
                 self._count()
                 if self._idle and self._jobs.empty():
                     mx.clear_cache()  # idle: give the buffer cache back so memory returns to base
+        except _RanksParted as e:
+            log.error("the run across machines broke off (%s): the server stops", e)
+            os.kill(os.getpid(), signal.SIGTERM)  # the HTTP server shuts down
         finally:
             self._fail_all("the server is shutting down")
+            if self._outbox is not None:
+                try:
+                    send(self._outbox, ["stop"])  # the other ranks stop following
+                except RuntimeError:  # they are gone already
+                    pass
             # Thread-local MLX streams must be torn down by their own thread; left to process
             # exit they can abort the interpreter ("terminate called without an active exception").
             mx.synchronize()
@@ -335,6 +353,13 @@ class ModelWorker:
             self._active[request_id] = _Active(job, StopMatcher(job.stop))
 
     def _make_engine(self, model: str | None) -> Engine:
+        if self._outbox is None:
+            return self.make_engine(model)
+        send(self._outbox, ["new", model])  # the other ranks make theirs alongside
+        return LeadingEngine(self.make_engine(model), self._outbox)
+
+    def make_engine(self, model: str | None) -> Engine:
+        """A fresh engine over ``model`` (loaded if need be)."""
         served = self.pool.acquire(model)
         tree = self._tree_for(served)
         if self.max_batch > 1 and served.model is not None:
@@ -369,6 +394,8 @@ class ModelWorker:
             self._backlog.extendleft(reversed([self._active.pop(i).job
                                                for i in engine.waiting_ids if i in self._active]))
             self._engine = self._model = None
+            if self._outbox is not None:  # across machines the ranks may part here: stop
+                raise _RanksParted(e) from e
             return
         for request_id, response in responses:
             if (active := self._active.get(request_id)) is not None:
