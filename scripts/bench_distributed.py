@@ -68,6 +68,19 @@ def sum_latency(hidden: int, tokens: int, reps: int = 50) -> float:
     return (time.perf_counter() - tic) / reps
 
 
+def share_latency(shape: tuple[int, ...], dtype, reps: int = 50) -> float:
+    """Seconds of sending rank 0's array of ``shape`` to every rank (distributed.from_root):
+    what drafting on rank 0 alone would add to each cycle, for the drafts it hands on."""
+    import numpy as np
+
+    values = np.ones(shape, dtype)
+    distributed.from_root(values, dtype)
+    tic = time.perf_counter()
+    for _ in range(reps):
+        distributed.from_root(values, dtype)
+    return (time.perf_counter() - tic) / reps
+
+
 def start_ranks(n: int, port: int = 5730) -> int:
     """Run this script as ``n`` ranks on this machine (ring backend, loopback); rank 0's
     output is ours. Returns the first failing rank's exit code (0: none failed)."""
@@ -94,6 +107,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--delay", type=float, action="append", default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--messages-only", action="store_true",
+                        help="time the messages (and the drafter pass) only, no decoding")
     args = parser.parse_args()
     if args.ranks and "MLX_RANK" not in os.environ:
         sys.exit(start_ranks(args.ranks))
@@ -118,7 +133,25 @@ def main() -> None:
         "sum_latency_s": {str(n): sum_latency(hidden, n) for n in (1, 8)},
         "delays": {},
     }
-    for delay in args.delay or [0.0]:
+    # Every rank drafts (no message); drafting on rank 0 alone would send each cycle's drafts:
+    # the block's tokens when greedy, its draft distributions too when sampling.
+    import numpy as np
+
+    from mlx_dflash.schedule import cached_costs
+    from mlx_dflash.target import as_target
+
+    block = drafter.block_size
+    results["draft_on_rank_0"] = {
+        "drafter_pass_s": cached_costs(as_target(model), drafter, block).draft_s,
+        "send_tokens_s": share_latency((block - 1,), np.int32),
+        "send_distributions_s": share_latency((block - 1, model.args.vocab_size), np.float32),
+        "block_size": block, "vocab_size": model.args.vocab_size,
+    }
+    if distributed.is_root():
+        print(json.dumps(results["draft_on_rank_0"]), flush=True)
+    if args.messages_only:
+        args.delay = []
+    for delay in [0.0] if args.delay is None else args.delay:
         counter = distributed.slow_links(model, delay) if delay else None
         rows = {}
         for domain, texts in sets.items():
