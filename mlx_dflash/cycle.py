@@ -98,9 +98,10 @@ def prefill(
     if progress is not None:
         progress(0, n)
     for start in range(0, n, step):
-        hidden, features = target.hidden_states(prompt[:, start : start + step], cache, layer_ids)
+        chunk = prompt[:, start : start + step]
+        hidden, features = target.hidden_states(chunk, cache, layer_ids)
         if drafter is not None:
-            drafter.commit(features, draft_cache)
+            drafter.commit(features, draft_cache, chunk)
         last = hidden[:, -1]
         mx.eval([c.state for c in cache] + ([c.state for c in draft_cache] if drafter else []))
         if progress is not None:
@@ -130,7 +131,8 @@ class Speculator:
                  width: int, tokens: Sequence[int], pair: PairCache | None = None):
         self.target, self.drafter, self.params, self.width = target, drafter, params, width
         self.layer_ids = drafter.target_layer_ids if drafter is not None else ()
-        self.backlog: list[mx.array] = []  # committed target features the drafter has not read
+        # committed positions the drafter has not read: (their tap features, their tokens)
+        self.backlog: list[tuple[mx.array, mx.array]] = []
         self.pair, self.cached, self.held = pair, 0, None
         if pair is None:
             self.cache = target.make_cache()
@@ -214,7 +216,7 @@ class Speculator:
         """Queue all of a cycle's features for the drafter before it is synced (a plain
         cycle's one position, when the next cycle is built from its token ahead)."""
         if self.drafter is not None:
-            self.backlog.append(cycle.features)
+            self.backlog.append((cycle.features, cycle.anchor))
 
     def settle(self, cycle: Cycle, accepted: int, fed: bool = False) -> None:
         """After the sync: drop the rejected drafts from the target cache and queue the
@@ -233,9 +235,12 @@ class Speculator:
         if self.drafter is None:
             return
         if isinstance(cycle, TreeCycle):
-            self.backlog.append(cycle.features[:, mx.array(cycle.kept)])
+            path = [cycle.tree.tokens[row - 1] for row in cycle.kept[1:]]
+            tokens = mx.concatenate([cycle.anchor, mx.array(path, dtype=mx.uint32)])
+            self.backlog.append((cycle.features[:, mx.array(cycle.kept)], tokens))
         else:
-            self.backlog.append(cycle.features[:, : accepted + 1])
+            tokens = mx.concatenate([cycle.anchor, cycle.packed[1 : 1 + accepted]])
+            self.backlog.append((cycle.features[:, : accepted + 1], tokens))
 
     def hold(self, tokens: Sequence[int]) -> None:
         """Committed tokens the caches now hold (or will, as the next anchor)."""
@@ -256,7 +261,7 @@ class Speculator:
             last = mx.array([self.held[-1:]], dtype=mx.uint32)
             _, features = self.target.hidden_states(last, self.cache, self.layer_ids)
         if self.drafter is not None:
-            self.backlog.append(features[:, :1])
+            self.backlog.append((features[:, :1], mx.array(self.held[-1:], dtype=mx.uint32)))
             self.catch_up()
         self.pair.hold(self.held)
 
@@ -280,5 +285,7 @@ class Speculator:
     def catch_up(self) -> None:
         """Give the drafter the committed features it has not read yet."""
         if self.backlog:
-            self.drafter.commit(mx.concatenate(self.backlog, axis=1), self.draft_cache)
+            features, tokens = zip(*self.backlog)
+            self.drafter.commit(mx.concatenate(features, axis=1), self.draft_cache,
+                                mx.concatenate(tokens)[None])
             self.backlog.clear()

@@ -78,11 +78,12 @@ def snapshot_passes(target: Target, drafter: Drafter | None, context: int, max_t
     drafting ``max_tokens - 1`` tokens (none when ``drafter`` is None)."""
     layer_ids = drafter.target_layer_ids if drafter is not None else ()
     cache = target.make_cache()
-    _, feats = target.hidden_states(mx.zeros((1, context), dtype=mx.uint32), cache, layer_ids)
+    tokens = mx.zeros((1, context), dtype=mx.uint32)
+    _, feats = target.hidden_states(tokens, cache, layer_ids)
     draft_cache = []
     if drafter is not None:
         draft_cache = drafter.make_cache()
-        drafter.commit(feats, draft_cache)
+        drafter.commit(feats, draft_cache, tokens)
     mx.eval([c.state for c in cache + draft_cache])
 
     def target_pass(n: int) -> None:
@@ -423,12 +424,12 @@ def measure_draft_ratios(target: Target, drafter: Drafter, max_tokens: int, reps
     ``BATCH_CONTEXT``, for ``BATCH_ROWS``."""
     from .drafters.base import propose_all
 
-    _, feats = target.hidden_states(mx.zeros((1, BATCH_CONTEXT), dtype=mx.uint32),
-                                    target.make_cache(), drafter.target_layer_ids)
+    tokens = mx.zeros((1, BATCH_CONTEXT), dtype=mx.uint32)
+    _, feats = target.hidden_states(tokens, target.make_cache(), drafter.target_layer_ids)
     contexts = []
     for _ in range(BATCH_ROWS[-1]):
         cache = drafter.make_cache()
-        drafter.commit(feats, cache)
+        drafter.commit(feats, cache, tokens)
         contexts.append(cache)
     mx.eval([c.state for cache in contexts for c in cache])
     K = min(max_tokens - 1, drafter.max_drafts)

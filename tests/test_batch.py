@@ -47,8 +47,8 @@ class BatchOracle:
         self.by_cache[id(cache[0])] = self.sequences.pop(0)
         return cache
 
-    def commit(self, features, cache):
-        self.inner.commit(features, cache)
+    def commit(self, features, cache, tokens=None):
+        self.inner.commit(features, cache, tokens)
 
     def pass_key(self):
         return ("oracle",)

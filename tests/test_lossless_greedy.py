@@ -68,8 +68,8 @@ class OracleDrafter:
     def make_cache(self):
         return self.inner.make_cache()
 
-    def commit(self, features, cache):
-        self.inner.commit(features, cache)
+    def commit(self, features, cache, tokens=None):
+        self.inner.commit(features, cache, tokens)
 
     def draft_logits(self, target, anchor, cache, block_size, num_drafts=None):
         K = block_size - 1 if num_drafts is None else num_drafts

@@ -45,8 +45,9 @@ class Drafter(Protocol):
     def make_cache(self) -> list[Any]:
         """An empty context cache (one per layer)."""
 
-    def commit(self, features: mx.array, cache: list[Any]) -> None:
-        """Append committed positions' tap features [1, n, taps*D] to the context."""
+    def commit(self, features: mx.array, cache: list[Any], tokens: mx.array) -> None:
+        """Append committed positions' tap features [1, n, taps*D] to the context; ``tokens``
+        [1, n]: the tokens at those positions (families that read them: EAGLE-3)."""
 
     def propose(self, target: Any, anchor: mx.array, cache: list[Any], width: int,
                 num_drafts: int, params: SamplingParams) -> Proposal:

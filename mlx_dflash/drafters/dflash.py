@@ -144,8 +144,10 @@ class DFlashDraftModel(nn.Module):
             logits = mx.tanh(logits / a.final_logit_softcapping) * a.final_logit_softcapping
         return logits
 
-    def commit(self, features: mx.array, cache: list[Any]) -> None:
-        """Append newly committed positions' target features [1, n, taps*D] to the context."""
+    def commit(self, features: mx.array, cache: list[Any], tokens: mx.array | None = None
+               ) -> None:
+        """Append newly committed positions' target features [1, n, taps*D] to the context
+        (a block drafter reads no tokens)."""
         ctx = self.fuse(features)
         for layer, c in zip(self.layers, cache):
             c.update_and_fetch(*layer.self_attn.context_kv(ctx, c.offset))
