@@ -48,8 +48,29 @@ def drafter_cmd(
         "float32 keeps the drafter's activations in float32; float16 activations can break "
         "acceptance on older chips."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing OUT."),
+    to: str = typer.Option(
+        "mlx", "--to", help="Layout to write: 'mlx' (ours, loads with --drafter), 'zlab' "
+        "(z-lab's DFlash: its reference, dflash-mlx, mlx-dspark) or 'speculators' (vLLM)."),
+    target: Optional[str] = typer.Option(
+        None, "--target", help="The drafter's target (dir or hub id): needed by --to "
+        "speculators for DFlash and DSpark drafters (the layout carries the target's "
+        "embedding and head rows), and to check the export against it."),
 ) -> None:
-    """Convert a DFlash drafter (Hugging Face safetensors) into an MLX drafter directory."""
+    """Convert a drafter checkpoint (DFlash, DFlash 2, DSpark, EAGLE-3; z-lab, SpecForge,
+    DeepSpec or speculators layouts) into an MLX drafter directory, or export one (--to)."""
+    _check_choice("--to", to, ("mlx", "zlab", "speculators"))
+    if to != "mlx":
+        if bits is not None:
+            fail("--bits quantizes for MLX; other layouts are written unquantized")
+        _check_output(out, overwrite)
+        from ..convert.drafter import export_drafter
+
+        try:
+            export_drafter(src, out, to, target=target, overwrite=overwrite, progress=True)
+        except (FileNotFoundError, NotADirectoryError, FileExistsError, ValueError,
+                NotImplementedError) as e:
+            fail(str(e))
+        return
     _check_choice("--bits", bits, _BITS)
     _check_choice("--group-size", group_size, _GROUP_SIZES)
     _check_choice("--dtype", dtype, _DTYPES)

@@ -117,6 +117,54 @@ def convert_drafter(
     return out
 
 
+LAYOUTS = ("zlab", "speculators")
+
+
+def export_drafter(src: str | Path, out: str | Path, to: str, target: str | None = None,
+                   overwrite: bool = False, progress: bool = False) -> Path:
+    """Write the drafter at ``src`` in a layout other engines load: ``to`` "zlab" (z-lab's
+    DFlash: the reference, dflash-mlx, mlx-dspark; a reduced vocabulary is expanded to the
+    full one, as that layout has none) or "speculators" (vLLM's: a reduced vocabulary as
+    ``d2t`` / ``t2d``). ``target`` (an mlx-lm model dir or hub id): needed where the layout
+    carries the target's weights (speculators' DFlash and DSpark), and to check the export
+    against it. Atomic, and loaded back before it is moved into place."""
+    from ..drafters import speculators
+
+    if to not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {to!r}")
+    out = Path(out).expanduser()
+    if out.exists() and not overwrite:
+        raise FileExistsError(
+            f"output directory already exists: {out} (pass overwrite=True to replace it)")
+    model = None
+    if target is not None:
+        from mlx_lm import load
+
+        _say(progress, f"Loading target {target} ...")
+        model, _ = load(target)
+    _say(progress, f"Loading drafter {src} ...")
+    drafter = load_drafter(src, model=model)
+    if to == "zlab":
+        if drafter.family != "dflash":
+            raise ValueError(f"z-lab's layout holds DFlash drafters; this one is "
+                             f"{drafter.family} (write it with --to speculators)")
+        config = drafter.args.to_config()
+        config["dflash_config"].pop("draft_vocab_size", None)
+        weights = {k: v for k, v in tree_flatten(drafter.parameters()) if k != "draft_vocab"}
+        if drafter.vocab_ids is not None:
+            _say(progress, "Expanding the reduced vocabulary to the target's (z-lab's layout "
+                 "has none): drafts may differ, decoding stays lossless")
+    else:
+        config, weights = speculators.write(drafter, model, verifier=target)
+    mx.eval(weights)
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        load_drafter(tmp, model=model)  # never publish a directory that does not load
+    _say(progress, f"Wrote {out} ({to} layout)")
+    return out
+
+
 def _say(enabled: bool, message: str) -> None:
     if enabled:
         print(message, file=sys.stderr, flush=True)

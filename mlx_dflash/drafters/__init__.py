@@ -17,7 +17,9 @@ from ..ngram import NgramTable
 from .dflash import DFlashDraftModel
 from .dflash2 import DFlash2Args, DFlash2DraftModel
 from .dspark import DSparkArgs, DSparkDraftModel
+from .eagle3 import Eagle3Args, Eagle3DraftModel
 from .layers import DraftArgs
+from . import speculators
 from .registry import ARCHITECTURES, FAMILIES, NOT_YET, drafter_family
 from .shipped import drafter_dir, shipped_drafters
 
@@ -73,6 +75,9 @@ def load_drafter(
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"drafter config {config_file} is not valid JSON: {e}") from e
+    source = config
+    if speculators.is_speculators(config):  # vLLM's layout: read as ours
+        config = speculators.read_config(config, str(path))
     arch = (config.get("architectures") or ["DFlashDraftModel"])[0]
     if arch in NOT_YET:
         raise NotImplementedError(
@@ -83,7 +88,16 @@ def load_drafter(
             f"(supported: {', '.join(ARCHITECTURES)})"
         )
     cls = ARCHITECTURES[arch]
-    drafter = cls(cls.args_class.from_config(config))
+    args = cls.args_class.from_config(config)
+    if not args.target_layer_ids:  # EAGLE-3 without eagle_config: SpecForge's default taps
+        if model is None:
+            raise ValueError(f"{path}: the config names no target layers to read "
+                             "(eagle_config.eagle_aux_hidden_state_layer_ids); load it with "
+                             "its target to use the default ones")
+        from .eagle3 import default_layer_ids
+
+        args.target_layer_ids = default_layer_ids(_target(model).num_layers)
+    drafter = cls(args)
 
     files = sorted(glob.glob(str(path / "*.safetensors")))
     if not files:
@@ -91,10 +105,13 @@ def load_drafter(
     weights: dict[str, mx.array] = {}
     for f in files:
         weights.update(mx.load(f))
-    # Some exports carry the target's embedding/head; the drafter always uses the target's own.
-    weights = {
-        k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "lm_head."))
-    }
+    if source is not config:
+        weights = speculators.read_weights(source, weights)
+    # Some exports carry the target's embedding/head; the drafter always uses the target's
+    # embedding, and its head unless the family has a head of its own (EAGLE-3).
+    shared = ("embed_tokens.",) if getattr(cls, "own_head", False) else ("embed_tokens.",
+                                                                          "lm_head.")
+    weights = {k: v for k, v in weights.items() if not k.startswith(shared)}
     quant = config.get("quantization")
     if quant:
         _dequantize_raw(weights, quant)
@@ -117,6 +134,7 @@ def load_drafter(
         raise ValueError(f"drafter checkpoint {path} has unexpected weights: "
                          f"{', '.join(unexpected[:8])}")
     drafter.load_weights(list(weights.items()))
+    _check_draft_vocab(drafter, path)
     if quant and (not mx.metal.is_available() if dequantize is None else dequantize):
         from mlx_lm.utils import dequantize_model
 
@@ -138,11 +156,29 @@ def load_drafter(
     return drafter
 
 
-def check_fits(drafter: DFlashDraftModel, model: Any) -> None:
-    """Raise DrafterMismatchError naming the first way the drafter does not fit the target."""
+def _target(model: Any) -> Any:
     from ..target import Target
 
-    target = model if isinstance(model, Target) else Target(model, check=False)
+    return model if isinstance(model, Target) else Target(model, check=False)
+
+
+def _check_draft_vocab(drafter: Any, path: Path) -> None:
+    """EAGLE-3's two maps of its reduced vocabulary must agree (d2t: draft id -> target id
+    offset; t2d: which target ids it holds)."""
+    if "d2t" not in drafter:
+        return
+    ids, held = drafter.vocab_ids, drafter.t2d
+    if (int(ids.min()) < 0 or int(ids.max()) >= held.shape[0]
+            or not bool(mx.all(ids[1:] > ids[:-1])) or not bool(mx.all(held[ids]))
+            or int(held.sum()) != ids.shape[0]):
+        raise ValueError(f"drafter checkpoint {path}: d2t and t2d do not describe the same "
+                         "draft vocabulary (d2t[i] + i must be the increasing target ids that "
+                         "t2d marks)")
+
+
+def check_fits(drafter: DFlashDraftModel, model: Any) -> None:
+    """Raise DrafterMismatchError naming the first way the drafter does not fit the target."""
+    target = _target(model)
     a = drafter.args
     ids = a.target_layer_ids
     if not ids or min(ids) < 0 or max(ids) >= target.num_layers:
@@ -155,9 +191,10 @@ def check_fits(drafter: DFlashDraftModel, model: Any) -> None:
             f"drafter was trained for a target with num_target_layers={a.num_target_layers}, "
             f"but the target has {target.num_layers} layers"
         )
-    if a.hidden_size != target.hidden_size:
+    reads = getattr(a, "target_hidden_size", None) or a.hidden_size  # the target features' width
+    if reads != target.hidden_size:
         raise DrafterMismatchError(
-            f"drafter hidden_size {a.hidden_size} does not match the target's {target.hidden_size}"
+            f"drafter hidden_size {reads} does not match the target's {target.hidden_size}"
         )
     if a.vocab_size != target.vocab_size:
         raise DrafterMismatchError(
@@ -189,5 +226,6 @@ def _dequantize_raw(weights: dict[str, mx.array], quant: dict) -> None:
 
 
 __all__ = ["ARCHITECTURES", "DFlash2Args", "DFlash2DraftModel", "DFlashDraftModel", "DSparkArgs",
-           "DSparkDraftModel", "DraftArgs", "DrafterMismatchError", "FAMILIES", "NOT_YET",
+           "DSparkDraftModel", "DraftArgs", "DrafterMismatchError", "Eagle3Args",
+           "Eagle3DraftModel", "FAMILIES", "NOT_YET",
            "check_fits", "drafter_family", "load_drafter", "resolve_path"]

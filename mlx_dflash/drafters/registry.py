@@ -6,6 +6,7 @@ from __future__ import annotations
 from .dflash import DFlashDraftModel
 from .dflash2 import DFlash2DraftModel
 from .dspark import DSparkDraftModel
+from .eagle3 import Eagle3DraftModel
 
 FAMILIES: dict[str, type[DFlashDraftModel]] = {}  # family name (cls.family) -> class
 ARCHITECTURES: dict[str, type[DFlashDraftModel]] = {}  # config.json architectures[0] -> class
@@ -27,6 +28,8 @@ register(DFlash2DraftModel, "DFlash2DraftModel")
 # DeepSpec writes Qwen3DSparkModel (fields at the top level); SpecForge-style exports write
 # DSparkDraftModel with the fields in dflash_config. DSparkArgs.from_config reads both.
 register(DSparkDraftModel, "Qwen3DSparkModel", "DSparkDraftModel")
+# SpecForge's EAGLE-3 (SGLang loads the same name); the speculators layout converts to it.
+register(Eagle3DraftModel, "LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
 def drafter_family(name: str) -> type[DFlashDraftModel]:

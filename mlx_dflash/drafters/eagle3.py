@@ -1,0 +1,346 @@
+"""EAGLE-3: an autoregressive drafter of one decoder layer over the target's fused features.
+
+The layout SpecForge trains (``LlamaForCausalLMEagle3``; the speculators layout is converted to
+it on load, speculators.py). Three tap layers' outputs are fused by ``fc`` (3H -> H). Position t
+of the drafter pairs the fused target features h_t with the embedding of the next token
+x_{t+1} (the target's embedding): the layer's input is ``[input_layernorm(embed) ;
+hidden_norm(h)]`` (2H wide, the embedding first), the residual is h, and
+``lm_head(norm(out))`` over its own (possibly reduced) vocabulary predicts x_{t+2}. A chain of
+drafts feeds each step's pre-norm output back as the next step's h, with the drafted token as
+its next token; its own KV cache holds the committed positions.
+
+Draft ids map to target ids as ``draft + d2t[draft]``; ``t2d`` marks the target ids the draft
+vocabulary holds (both kept to write the checkpoint back).
+
+The features of the last committed position wait for their next token (the anchor, known only
+when the next cycle drafts), so committed features are kept in the cache unread, with their
+next tokens, and run through the layer at the next ``propose``, before the chain: vLLM's
+"first pass" over the new context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from ..accept import SamplingParams, proposal_from_logits
+from .base import Proposal
+from .layers import MLP, DraftArgs
+
+PENDING_CHUNK = 512  # committed positions run through the layer per pass (bounds its attention)
+
+
+class _Memo:
+    """Derived arrays kept off the module's parameters."""
+
+    d2t: mx.array | None = None
+    ids: mx.array | None = None
+
+
+@dataclass
+class Eagle3Args(DraftArgs):
+    """SpecForge's EAGLE-3 config (a Llama config with ``draft_vocab_size`` and
+    ``eagle_config``). ``block_size`` is ours: the chain's drafts plus one."""
+
+    architecture: ClassVar[str] = "LlamaForCausalLMEagle3"
+    mask_token_id: int = 0  # no mask slots: unused
+    target_hidden_size: int | None = None
+    fc_norm: bool = False  # a norm over each tap's third of the features before fc
+    norm_before_fc: bool = False  # one norm over all of them (speculators' input_norm)
+    norm_before_residual: bool = False  # the residual is the normed hidden (speculators)
+    qk_norm: bool = False  # per-head q/k norms (a Qwen3 layer config, speculators)
+
+    @classmethod
+    def from_config(cls, config: dict, **family: Any) -> Eagle3Args:
+        missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size",
+                               "vocab_size") if k not in config]
+        if missing:
+            raise ValueError(f"EAGLE-3 config.json lacks required fields: {', '.join(missing)}")
+        if config.get("num_hidden_layers", 1) != 1:
+            raise NotImplementedError(
+                f"EAGLE-3 drafters of {config['num_hidden_layers']} layers are not supported "
+                "yet (one layer is)")
+        if config.get("norm_output", True) is not True:
+            raise NotImplementedError("EAGLE-3 with norm_output false (logits without the final "
+                                      "norm) is not supported yet")
+        eagle = config.get("eagle_config") or {}
+        ids = config.get("eagle_aux_hidden_state_layer_ids",
+                         eagle.get("eagle_aux_hidden_state_layer_ids"))
+        rope_params = config.get("rope_parameters") or {}
+        H = config["hidden_size"]
+        return cls(
+            hidden_size=H,
+            num_hidden_layers=1,
+            num_attention_heads=config["num_attention_heads"],
+            num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+            intermediate_size=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            target_layer_ids=[int(i) for i in ids] if ids else [],  # []: the target's default
+            block_size=int(config.get("block_size", 8)),
+            head_dim=config.get("head_dim"),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(config.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
+            rope_scaling=config.get("rope_scaling"),
+            max_position_embeddings=config.get("max_position_embeddings", 40960),
+            num_target_layers=config.get("num_target_layers"),
+            attention_bias=config.get("attention_bias", False),
+            verify_block_size=config.get("verify_block_size"),
+            draft_vocab_size=(config.get("draft_vocab_size")
+                              if config.get("draft_vocab_size") != config["vocab_size"]
+                              else None),
+            target_hidden_size=config.get("target_hidden_size"),
+            fc_norm=bool(config.get("fc_norm", False)),
+            norm_before_fc=bool(config.get("norm_before_fc", False)),
+            norm_before_residual=bool(config.get("norm_before_residual", False)),
+            qk_norm=bool(config.get("qk_norm", False)),
+            **family,
+        )
+
+    def to_config(self) -> dict:
+        """SpecForge's layout (what its trainer writes and SGLang loads), with our block size."""
+        config = {
+            "architectures": [self.architecture],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": "silu",
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size or self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.attention_bias,
+            "tie_word_embeddings": False,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": self.target_layer_ids,
+                             "use_aux_hidden_state": True},
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+        }
+        for name in ("target_hidden_size", "verify_block_size"):
+            if getattr(self, name) is not None:
+                config[name] = getattr(self, name)
+        for name in ("fc_norm", "norm_before_fc", "norm_before_residual", "qk_norm"):
+            if getattr(self, name):
+                config[name] = True
+        return config
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """SpecForge's taps when the config names none: outputs of layers 1, N/2 - 1 and N - 4."""
+    return [1, num_layers // 2 - 1, num_layers - 4] if num_layers >= 5 else [0, 0, 0]
+
+
+class Eagle3Attention(nn.Module):
+    """Queries, keys and values from the 2H-wide ``[embedding ; hidden]`` input."""
+
+    def __init__(self, a: Eagle3Args):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (a.num_attention_heads,
+                                                        a.num_key_value_heads, a.head_dim)
+        self.scale = self.head_dim**-0.5
+        dim, bias = 2 * a.hidden_size, a.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, a.hidden_size, bias=bias)
+        if a.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=a.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=a.rms_norm_eps)
+        self.rope = initialize_rope(self.head_dim, base=a.rope_theta, traditional=False,
+                                    scaling_config=a.rope_scaling,
+                                    max_position_embeddings=a.max_position_embeddings)
+
+    def _heads(self, x: mx.array, n: int) -> mx.array:
+        B, L, _ = x.shape
+        return x.reshape(B, L, n, self.head_dim).transpose(0, 2, 1, 3)
+
+    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+        B, L, _ = x.shape
+        q = self._heads(self.q_proj(x), self.n_heads)
+        k = self._heads(self.k_proj(x), self.n_kv_heads)
+        v = self._heads(self.v_proj(x), self.n_kv_heads)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
+                                                   mask="causal" if L > 1 else None)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class Eagle3Layer(nn.Module):
+    """SpecForge's ``midlayer``."""
+
+    def __init__(self, a: Eagle3Args):
+        super().__init__()
+        self.norm_before_residual = a.norm_before_residual
+        self.hidden_norm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
+        self.input_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
+        self.self_attn = Eagle3Attention(a)
+        self.mlp = MLP(a.hidden_size, a.intermediate_size)
+
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache: KVCache) -> mx.array:
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = mx.concatenate([self.input_layernorm(embeds), normed], axis=-1)
+        h = residual + self.self_attn(x, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3DraftModel(nn.Module):
+    family = "eagle3"
+    args_class: ClassVar[type[DraftArgs]] = Eagle3Args
+    fixed_width = False  # a chain drafts as many as asked
+    own_head = True  # its lm_head is its own (over the draft vocabulary), kept on load
+    walk_candidates = None
+    train_gamma: ClassVar[float] = 7.0
+    train_aux_weight: ClassVar[float] = 0.0
+
+    @classmethod
+    def train_fields(cls, options: Any) -> dict:
+        raise ValueError("EAGLE-3 drafters are not trained by this package yet (it loads and "
+                         "decodes them: train with SpecForge or speculators)")
+
+    def __init__(self, args: Eagle3Args):
+        super().__init__()
+        self.args = args
+        H = args.hidden_size
+        Ht = args.target_hidden_size or H
+        n_taps = len(args.target_layer_ids) or 3
+        if args.fc_norm:
+            self.fc_norm = [nn.RMSNorm(Ht, eps=args.rms_norm_eps) for _ in range(n_taps)]
+        if args.norm_before_fc:
+            self.input_norm = nn.RMSNorm(n_taps * Ht, eps=args.rms_norm_eps)
+        self.fc = nn.Linear(n_taps * Ht, H, bias=False)
+        self.midlayer = Eagle3Layer(args)
+        self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        Vd = args.draft_vocab_size or args.vocab_size
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        if args.draft_vocab_size:
+            self.d2t = mx.zeros((Vd,), dtype=mx.int64)
+            self.t2d = mx.zeros((args.vocab_size,), dtype=mx.bool_)
+            self.freeze(keys=["d2t", "t2d"])
+        self.ngram = None
+        self.source_path = None
+        self._memo = _Memo()
+
+    # -- what the decode loop reads -------------------------------------------------------------
+    @property
+    def vocab_ids(self) -> mx.array | None:
+        """Target ids of the draft vocabulary (draft id + d2t), None with the full one."""
+        if "d2t" not in self:
+            return None
+        if self._memo.d2t is not self.d2t:  # read per drafted token: worked out once
+            self._memo.d2t = self.d2t
+            self._memo.ids = (mx.arange(self.d2t.shape[0]) + self.d2t).astype(mx.int32)
+        return self._memo.ids
+
+    def set_draft_vocab(self, ids: mx.array) -> None:
+        """Use the target ids ``ids`` (ascending) as the draft vocabulary: d2t and t2d from them
+        (the head must then have a row per id)."""
+        ids = ids.astype(mx.int64)
+        self.args.draft_vocab_size = int(ids.shape[0])
+        self.d2t = ids - mx.arange(ids.shape[0], dtype=mx.int64)
+        self.t2d = mx.zeros((self.args.vocab_size,), dtype=mx.bool_)
+        self.t2d[ids] = True
+        self.freeze(keys=["d2t", "t2d"])
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    @property
+    def max_drafts(self) -> int:
+        return self.block_size - 1
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.args.target_layer_ids
+
+    @property
+    def has_confidence(self) -> bool:
+        return False
+
+    def pass_key(self) -> tuple:
+        a = self.args
+        return (a.hidden_size, a.draft_vocab_size, self.block_size, type(self).__name__)
+
+    def raw_weights(self) -> list[tuple[nn.Module, str]]:
+        return []
+
+    # -- context ---------------------------------------------------------------------------------
+    def make_cache(self) -> list[Any]:
+        """The layer's KV cache, and the committed positions it has not read yet: their fused
+        features [1, m, H] and the m - 1 next tokens known so far."""
+        return [KVCache(), ArraysCache(2)]
+
+    def fuse(self, features: mx.array) -> mx.array:
+        """Concatenated tap features [.., T, taps*Ht] -> [.., T, H]."""
+        if "fc_norm" in self:
+            parts = mx.split(features, len(self.fc_norm), axis=-1)
+            features = mx.concatenate([n(p) for n, p in zip(self.fc_norm, parts)], axis=-1)
+        if "input_norm" in self:
+            features = self.input_norm(features)
+        return self.fc(features)
+
+    def commit(self, features: mx.array, cache: list[Any], tokens: mx.array | None = None
+               ) -> None:
+        """Keep committed positions' features and tokens until the next ``propose`` reads them
+        (each position's pair needs the token after it)."""
+        if tokens is None:
+            raise ValueError("an EAGLE-3 drafter reads the committed tokens with their features")
+        pending = cache[1]
+        hidden = self.fuse(features)
+        tokens = tokens.astype(mx.uint32)
+        if pending[0] is None:  # the very first position has no token before it to pair with
+            pending[0], pending[1] = hidden, tokens[:, 1:]
+        else:
+            pending[0] = mx.concatenate([pending[0], hidden], axis=1)
+            pending[1] = mx.concatenate([pending[1], tokens], axis=1)
+
+    def step(self, target: Any, tokens: mx.array, hidden: mx.array, kv: KVCache) -> mx.array:
+        """The layer over pairs (``hidden`` [1, n, H], next ``tokens`` [1, n]): pre-norm
+        outputs [1, n, H]; their keys and values join ``kv``."""
+        return self.midlayer(target.embed(tokens), hidden, kv)
+
+    def logits(self, out: mx.array) -> mx.array:
+        return self.lm_head(self.norm(out))
+
+    def propose(self, target: Any, anchor: mx.array, cache: list[Any], width: int,
+                num_drafts: int, params: SamplingParams) -> Proposal:
+        """The pending pairs (the anchor is the last one's next token) through the layer, then
+        a chain of ``num_drafts`` drafts; the chain's keys leave the cache again."""
+        kv, pending = cache
+        if pending[0] is None:
+            raise ValueError("an EAGLE-3 drafter drafts after at least one committed position")
+        hidden = pending[0]
+        tokens = mx.concatenate([pending[1], anchor.astype(mx.uint32)[None]], axis=1)
+        m = hidden.shape[1]
+        for start in range(0, m - 1, PENDING_CHUNK):  # all but the last pair: context for good
+            end = min(start + PENDING_CHUNK, m - 1)
+            self.step(target, tokens[:, start:end], hidden[:, start:end], kv)
+        held = kv.offset
+        pending[0], pending[1] = hidden[:, -1:], tokens[:, :0]
+        out = self.step(target, tokens[:, -1:], hidden[:, -1:], kv)
+        drafts, probs = [], []
+        for k in range(num_drafts):
+            x, q = proposal_from_logits(self.logits(out[:, -1]), params, self.vocab_ids,
+                                        target.vocab_size)
+            drafts.append(x)
+            probs.append(q)
+            if k + 1 < num_drafts:
+                out = self.step(target, x[None], out, kv)
+        kv.trim(kv.offset - held)  # the anchor's pair is read again with the next commit
+        return Proposal(mx.concatenate(drafts),
+                        None if params.greedy else mx.concatenate(probs))
