@@ -16,7 +16,7 @@ from tiny import make_drafter, make_target, make_tokenizer
 from mlx_dflash import batch_generate, load_drafter, stream_generate
 from mlx_dflash.accept import SamplingParams
 from mlx_dflash.drafters import DrafterMismatchError, Eagle3DraftModel
-from mlx_dflash.drafters import eagle3 as eagle3_mod
+from mlx_dflash.drafters import chain as chain_mod
 from mlx_dflash.target import Target
 
 PROMPT = [5, 9, 14, 3, 9, 14, 22, 8, 9, 14, 22]
@@ -106,7 +106,7 @@ def test_the_chain_matches_one_pass_over_the_whole_context(model, drafter, monke
     """Committed in pieces (prefill chunks, then cycles), read in small chunks: the drafts
     equal those of the layer run once over every (features, next token) pair, then stepped
     on its own outputs."""
-    monkeypatch.setattr(eagle3_mod, "PENDING_CHUNK", 3)
+    monkeypatch.setattr(chain_mod, "PENDING_CHUNK", 3)
     target = Target(model)
     tokens = mx.array([PROMPT + [40, 41, 42, 43]], dtype=mx.uint32)
     _, feats = target.hidden_states(tokens, target.make_cache(), drafter.target_layer_ids)
@@ -120,12 +120,12 @@ def test_the_chain_matches_one_pass_over_the_whole_context(model, drafter, monke
 
     def from_scratch(n):
         """Drafts after tokens[:n + 1] (the anchor last), by one pass from nothing."""
-        kv = eagle3_mod.KVCache()
+        kv = chain_mod.KVCache()
         hidden = drafter.fuse(feats[:, :n])
         out = drafter.midlayer(target.embed(tokens[:, 1 : n + 1]), hidden, kv)[:, -1:]
         drafts = []
         for _ in range(4):
-            ids = mx.argmax(drafter.logits(out[:, -1]), axis=-1)
+            ids = mx.argmax(drafter.logits(target, out[:, -1]), axis=-1)
             drafts.append(drafter.vocab_ids[ids])
             out = drafter.midlayer(target.embed(drafts[-1][None]), out, kv)
         return mx.concatenate(drafts).tolist()

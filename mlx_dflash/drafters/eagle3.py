@@ -12,10 +12,8 @@ its next token; its own KV cache holds the committed positions.
 Draft ids map to target ids as ``draft + d2t[draft]``; ``t2d`` marks the target ids the draft
 vocabulary holds (both kept to write the checkpoint back).
 
-The features of the last committed position wait for their next token (the anchor, known only
-when the next cycle drafts), so committed features are kept in the cache unread, with their
-next tokens, and run through the layer at the next ``propose``, before the chain: vLLM's
-"first pass" over the new context.
+The chain itself (how committed positions wait for their next token, then the drafts) is
+chain.py's, shared with the target's own MTP heads.
 """
 
 from __future__ import annotations
@@ -25,14 +23,11 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..accept import SamplingParams, proposal_from_logits
-from .base import Proposal
+from .chain import ChainDrafter
 from .layers import MLP, DraftArgs
-
-PENDING_CHUNK = 512  # committed positions run through the layer per pass (bounds its attention)
 
 
 class _Memo:
@@ -198,12 +193,10 @@ class Eagle3Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3DraftModel(nn.Module):
+class Eagle3DraftModel(ChainDrafter):
     family = "eagle3"
     args_class: ClassVar[type[DraftArgs]] = Eagle3Args
-    fixed_width = False  # a chain drafts as many as asked
     own_head = True  # its lm_head is its own (over the draft vocabulary), kept on load
-    walk_candidates = None
     train_gamma: ClassVar[float] = 7.0
     train_aux_weight: ClassVar[float] = 0.0
 
@@ -231,8 +224,6 @@ class Eagle3DraftModel(nn.Module):
             self.d2t = mx.zeros((Vd,), dtype=mx.int64)
             self.t2d = mx.zeros((args.vocab_size,), dtype=mx.bool_)
             self.freeze(keys=["d2t", "t2d"])
-        self.ngram = None
-        self.source_path = None
         self._memo = _Memo()
 
     # -- what the decode loop reads -------------------------------------------------------------
@@ -256,34 +247,9 @@ class Eagle3DraftModel(nn.Module):
         self.t2d[ids] = True
         self.freeze(keys=["d2t", "t2d"])
 
-    @property
-    def block_size(self) -> int:
-        return self.args.block_size
-
-    @property
-    def max_drafts(self) -> int:
-        return self.block_size - 1
-
-    @property
-    def target_layer_ids(self) -> list[int]:
-        return self.args.target_layer_ids
-
-    @property
-    def has_confidence(self) -> bool:
-        return False
-
     def pass_key(self) -> tuple:
         a = self.args
         return (a.hidden_size, a.draft_vocab_size, self.block_size, type(self).__name__)
-
-    def raw_weights(self) -> list[tuple[nn.Module, str]]:
-        return []
-
-    # -- context ---------------------------------------------------------------------------------
-    def make_cache(self) -> list[Any]:
-        """The layer's KV cache, and the committed positions it has not read yet: their fused
-        features [1, m, H] and the m - 1 next tokens known so far."""
-        return [KVCache(), ArraysCache(2)]
 
     def fuse(self, features: mx.array) -> mx.array:
         """Concatenated tap features [.., T, taps*Ht] -> [.., T, H]."""
@@ -294,53 +260,10 @@ class Eagle3DraftModel(nn.Module):
             features = self.input_norm(features)
         return self.fc(features)
 
-    def commit(self, features: mx.array, cache: list[Any], tokens: mx.array | None = None
-               ) -> None:
-        """Keep committed positions' features and tokens until the next ``propose`` reads them
-        (each position's pair needs the token after it)."""
-        if tokens is None:
-            raise ValueError("an EAGLE-3 drafter reads the committed tokens with their features")
-        pending = cache[1]
-        hidden = self.fuse(features)
-        tokens = tokens.astype(mx.uint32)
-        if pending[0] is None:  # the very first position has no token before it to pair with
-            pending[0], pending[1] = hidden, tokens[:, 1:]
-        else:
-            pending[0] = mx.concatenate([pending[0], hidden], axis=1)
-            pending[1] = mx.concatenate([pending[1], tokens], axis=1)
-
     def step(self, target: Any, tokens: mx.array, hidden: mx.array, kv: KVCache) -> mx.array:
         """The layer over pairs (``hidden`` [1, n, H], next ``tokens`` [1, n]): pre-norm
-        outputs [1, n, H]; their keys and values join ``kv``."""
+        outputs [1, n, H], fed back as the next step's hidden; their keys join ``kv``."""
         return self.midlayer(target.embed(tokens), hidden, kv)
 
-    def logits(self, out: mx.array) -> mx.array:
+    def logits(self, target: Any, out: mx.array) -> mx.array:
         return self.lm_head(self.norm(out))
-
-    def propose(self, target: Any, anchor: mx.array, cache: list[Any], width: int,
-                num_drafts: int, params: SamplingParams) -> Proposal:
-        """The pending pairs (the anchor is the last one's next token) through the layer, then
-        a chain of ``num_drafts`` drafts; the chain's keys leave the cache again."""
-        kv, pending = cache
-        if pending[0] is None:
-            raise ValueError("an EAGLE-3 drafter drafts after at least one committed position")
-        hidden = pending[0]
-        tokens = mx.concatenate([pending[1], anchor.astype(mx.uint32)[None]], axis=1)
-        m = hidden.shape[1]
-        for start in range(0, m - 1, PENDING_CHUNK):  # all but the last pair: context for good
-            end = min(start + PENDING_CHUNK, m - 1)
-            self.step(target, tokens[:, start:end], hidden[:, start:end], kv)
-        held = kv.offset
-        pending[0], pending[1] = hidden[:, -1:], tokens[:, :0]
-        out = self.step(target, tokens[:, -1:], hidden[:, -1:], kv)
-        drafts, probs = [], []
-        for k in range(num_drafts):
-            x, q = proposal_from_logits(self.logits(out[:, -1]), params, self.vocab_ids,
-                                        target.vocab_size)
-            drafts.append(x)
-            probs.append(q)
-            if k + 1 < num_drafts:
-                out = self.step(target, x[None], out, kv)
-        kv.trim(kv.offset - held)  # the anchor's pair is read again with the next commit
-        return Proposal(mx.concatenate(drafts),
-                        None if params.greedy else mx.concatenate(probs))
