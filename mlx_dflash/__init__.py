@@ -15,6 +15,7 @@ from .decode import (  # noqa: E402
 )
 from .default_pair import load_default  # noqa: E402
 from .drafters import DrafterMismatchError, load_drafter  # noqa: E402
+from .drafters.mtp import load_mtp_drafter  # noqa: E402
 from .pair_cache import PairCache  # noqa: E402
 from .prefix_cache import PrefixCache  # noqa: E402
 from .target import Target  # noqa: E402
@@ -34,6 +35,7 @@ __all__ = [
     "generate",
     "load_default",
     "load_drafter",
+    "load_mtp_drafter",
     "save_drafter",
     "stream_generate",
     "stream_generate_cached",

@@ -61,7 +61,8 @@ def chat(
     model: Optional[str] = typer.Option(
         None, "--model", "-m", help="mlx-lm target (dir or hub id). Default: the built-in pair."),
     drafter: Optional[str] = typer.Option(
-        None, "--drafter", "-d", help="Drafter dir or hub id ('none': target alone)."),
+        None, "--drafter", "-d", help="Drafter dir or hub id ('none': target alone; 'mtp': "
+        "the target's own MTP head)."),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", min=1,
                                    help="Most tokens per reply."),
     temp: float = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature (0: greedy)."),

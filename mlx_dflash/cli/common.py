@@ -57,7 +57,13 @@ def load_pair(model: str | None, drafter: str | None, block_size: int | None = N
         # Split across ranks, each loads only its part (lazily, then sharded).
         target, tokenizer = load(model, lazy=distributed.group() is not None)
         draft = None
-        if drafter is not None and drafter.lower() != "none":
+        if drafter is not None and drafter.lower() == "mtp":  # the target's own MTP head
+            from mlx_lm.utils import _download
+
+            from ..drafters.mtp import load_mtp_drafter
+
+            draft = load_mtp_drafter(_download(model), target)
+        elif drafter is not None and drafter.lower() != "none":
             draft = load_drafter(drafter, model=target)
         return _split(target, draft, tokenizer, split)
     except (FileNotFoundError, NotADirectoryError, DrafterMismatchError, ValueError,

@@ -133,8 +133,10 @@ def target_cmd(
     _check_output(out, overwrite)
     quantize = quantize or q_bits is not None
     from mlx_lm.convert import convert
+    from mlx_lm.utils import _download
 
     from ..convert.atomic import atomic_output_dir
+    from ..convert.mtp import extract_mtp
 
     try:
         with atomic_output_dir(Path(out).expanduser(), overwrite=overwrite) as tmp:
@@ -142,7 +144,12 @@ def target_cmd(
             convert(str(local) if local.exists() else hf_path, str(tmp), quantize=quantize,
                     q_group_size=q_group_size if quantize else None,
                     q_bits=(q_bits or 4) if quantize else None, dtype=dtype)
-    except FileExistsError as e:
+            # mlx-lm drops the MTP head: kept beside the model for --drafter mtp
+            kept = extract_mtp(local if local.exists() else _download(hf_path), tmp, dtype)
+            if kept:
+                typer.echo(f"Kept the MTP head ({kept} tensors) in mtp.safetensors "
+                           "(--drafter mtp)", err=True)
+    except (FileExistsError, NotImplementedError) as e:
         fail(str(e))
     except Exception as e:  # mlx_lm / huggingface-hub raise many kinds: name it, no traceback
         fail(f"could not convert {hf_path}: {type(e).__name__}: {e}")

@@ -20,7 +20,8 @@ def generate(
     model: Optional[str] = typer.Option(
         None, "--model", "-m", help="mlx-lm target (dir or hub id). Default: the built-in pair."),
     drafter: Optional[str] = typer.Option(
-        None, "--drafter", "-d", help="Drafter dir or hub id ('none': target alone)."),
+        None, "--drafter", "-d", help="Drafter dir or hub id ('none': target alone; 'mtp': "
+        "the target's own MTP head)."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", min=0),
     temp: float = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature (0: greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),

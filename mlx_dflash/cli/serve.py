@@ -49,8 +49,8 @@ def serve(
         [], "--model", "-m", help="mlx-lm target (dir or hub id); repeatable, to serve several "
         "models by name. Default: the built-in pair."),
     drafter: List[str] = typer.Option(
-        [], "--drafter", "-d", help="Drafter dir or hub id ('none': target alone); one per "
-        "--model, in order."),
+        [], "--drafter", "-d", help="Drafter dir or hub id ('none': target alone; 'mtp': the "
+        "target's MTP head); one per --model, in order."),
     model_name: List[str] = typer.Option(
         [], "--model-name", help="Name clients send as 'model' (default: --model); one per "
         "--model."),

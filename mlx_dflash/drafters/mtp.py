@@ -1,0 +1,110 @@
+"""The target's own multi-token-prediction (MTP) head as a drafter: nothing to train.
+
+Qwen3-Next checkpoints carry an MTP module (``mtp.*``): the embedding of the next token and the
+target's final hidden state (after its final norm), each normed, concatenated (the embedding
+first) and projected by ``fc`` (2H -> H), one full-attention decoder layer of the target's own
+kind (its MoE included), ``norm``, and the target's LM head (vLLM's qwen3_next_mtp.py). Drafting
+chains it (chain.py): each step's normed output is the next step's hidden state, as vLLM's
+"mtp" method does. mlx-lm drops these weights when it converts a model; ``mlx-dflash convert
+target`` keeps them beside the model in ``mtp.safetensors`` (convert/mtp.py), and
+:func:`load_mtp_drafter` (``--drafter mtp``) builds the drafter from them.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
+
+from .chain import ChainDrafter
+
+SIDECAR = "mtp.safetensors"
+FAMILIES = ("qwen3_next",)  # mlx-lm model types whose MTP module this builds
+DEFAULT_BLOCK = 4  # drafts per cycle + 1; Qwen's own serving recipes draft 2-3 with MTP
+
+
+@dataclass
+class MTPArgs:
+    """What the decode loop reads of a drafter's args."""
+
+    hidden_size: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    block_size: int = DEFAULT_BLOCK
+    verify_block_size: int | None = None
+    draft_vocab_size: int | None = None
+    num_target_layers: int | None = None
+    mask_token_id: int = 0  # no mask slots: unused
+
+
+class MTPDraftModel(ChainDrafter):
+    family = "mtp"
+
+    def __init__(self, text_model: nn.Module, block_size: int = DEFAULT_BLOCK):
+        super().__init__()
+        args = text_model.args
+        if args.model_type not in FAMILIES:
+            raise NotImplementedError(f"MTP drafters of model type '{args.model_type}' are not "
+                                      f"supported yet ({', '.join(FAMILIES)} are)")
+        H, eps = args.hidden_size, args.rms_norm_eps
+        self.args = MTPArgs(H, args.vocab_size, [args.num_hidden_layers - 1], block_size)
+        self.final_norm = nn.RMSNorm(H, eps=eps)  # the target's: its hidden input is normed
+        self.final_norm.weight = text_model.model.norm.weight
+        self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=eps)
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        # One decoder layer of the target's own kind, a full-attention one.
+        layer_class = sys.modules[type(text_model).__module__].Qwen3NextDecoderLayer
+        self.layers = [layer_class(args, args.full_attention_interval - 1)]
+        self.norm = nn.RMSNorm(H, eps=eps)
+
+    def pass_key(self) -> tuple:
+        return (self.args.hidden_size, self.block_size, type(self).__name__)
+
+    def fuse(self, features: mx.array) -> mx.array:
+        return self.final_norm(features)
+
+    def step(self, target: Any, tokens: mx.array, hidden: mx.array, kv: KVCache) -> mx.array:
+        x = mx.concatenate([self.pre_fc_norm_embedding(target.embed(tokens)),
+                            self.pre_fc_norm_hidden(hidden)], axis=-1)
+        x = self.layers[0](self.fc(x), "causal" if x.shape[1] > 1 else None, kv)
+        return self.norm(x)
+
+    def logits(self, target: Any, out: mx.array) -> mx.array:
+        return target.lm_head(out)
+
+
+def load_mtp_drafter(model_dir: str | Path, model: nn.Module,
+                     block_size: int = DEFAULT_BLOCK) -> MTPDraftModel:
+    """The MTP drafter of the target loaded from ``model_dir`` (``model``), from the
+    ``mtp.safetensors`` that ``mlx-dflash convert target`` wrote beside it."""
+    path = Path(model_dir).expanduser() / SIDECAR
+    text = getattr(model, "language_model", model)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{Path(model_dir)} has no {SIDECAR}: its MTP weights were not kept (mlx-lm's own "
+            "conversion drops them); convert the Hugging Face checkpoint with `mlx-dflash "
+            "convert target`, which keeps them")
+    drafter = MTPDraftModel(text, block_size)
+    dtype = text.model.norm.weight.dtype  # the target's float dtype
+    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+               for k, v in mx.load(str(path)).items()}
+    expected = {k for k, _ in tree_flatten(drafter.parameters())} - {"final_norm.weight"}
+    missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
+    if missing or unexpected:
+        raise ValueError(f"{path} does not fit a {text.args.model_type} MTP module: "
+                         + (f"lacks {', '.join(missing[:6])}" if missing else "")
+                         + ("; " if missing and unexpected else "")
+                         + (f"has unexpected {', '.join(unexpected[:6])}" if unexpected else ""))
+    drafter.load_weights(list(weights.items()), strict=False)
+    drafter.freeze()
+    mx.eval(drafter.parameters())
+    drafter.eval()
+    drafter.source_path = path.parent
+    return drafter
