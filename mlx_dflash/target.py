@@ -107,6 +107,7 @@ class Family:
     layer_kinds: Callable[[nn.Module], list[str]]  # FULL / SLIDING / RECURRENT per layer
     window: Callable[[nn.Module], int | None] = lambda inner: None  # sliding-window size
     embed_scale: Callable[[nn.Module, mx.array], mx.array] | None = None
+    mask_array: bool = False  # attention that needs its causal mask as an array (MLA)
 
 
 # Keyed by the mlx-lm module defining the decoder stack (``type(model.model).__module__``), so
@@ -117,6 +118,7 @@ FAMILIES = {
     "qwen2": Family(_all_full),
     "qwen3": Family(_all_full),
     "qwen3_moe": Family(_all_full),
+    "deepseek_v3": Family(_all_full, mask_array=True),
     "qwen3_next": Family(_hybrid_kinds),
     "qwen3_5": Family(_hybrid_kinds),
     "gpt_oss": Family(_gpt_oss_kinds, window=lambda inner: inner.window_size),
@@ -580,7 +582,8 @@ class Target:
                 masks[kind] = create_ssm_mask(h, cache[i])
             else:
                 window = self.window if kind == SLIDING else None
-                masks[kind] = create_attention_mask(h, cache[i], window_size=window)
+                masks[kind] = create_attention_mask(h, cache[i], window_size=window,
+                                                    return_array=self.family.mask_array)
         return [masks[kind] for kind in self.layer_kinds]
 
     @staticmethod

@@ -16,7 +16,7 @@ from tiny import family_config, make_family_target, make_target, make_tokenizer
 
 from mlx_dflash import stream_generate
 from mlx_dflash.accept import SamplingParams
-from mlx_dflash.drafters.mtp import MTPDraftModel, load_mtp_drafter
+from mlx_dflash.drafters.mtp import MTPDraftModel, build, load_mtp_drafter
 
 PROMPT = [7, 8, 9, 3, 4, 5, 7, 8]
 # mlx-lm's qwen3_next sanitize adds 1 to these (Hugging Face stores them zero-centred)
@@ -27,7 +27,7 @@ ZERO_CENTRED = (".input_layernorm.weight", ".post_attention_layernorm.weight", "
 def make_mtp(model, seed=4):
     """An MTP module with random weights, its norms away from 1 (so the +1 convention counts)."""
     mx.random.seed(seed)
-    mtp = MTPDraftModel(model)
+    mtp = build(model)
     mtp.update({k: v for k, v in _unflatten(
         [(k, v + 0.2 * mx.random.normal(v.shape)) for k, v in tree_flatten(mtp.parameters())
          if k.endswith("norm.weight") and k != "final_norm.weight"]).items()})
@@ -137,7 +137,78 @@ def test_targets_without_an_mtp_head_are_refused(converted, tmp_path):
     with pytest.raises(FileNotFoundError, match="has no mtp.safetensors"):
         load_mtp_drafter(tmp_path, model)
     with pytest.raises(NotImplementedError, match="model type 'qwen3'"):
-        MTPDraftModel(make_target("qwen3"))
+        build(make_target("qwen3"))
     mx.save_safetensors(str(tmp_path / "mtp.safetensors"), {"fc.weight": mx.zeros((64, 128))})
     with pytest.raises(ValueError, match="does not fit a qwen3_next MTP module: lacks"):
         load_mtp_drafter(tmp_path, model)
+
+
+# -- DeepSeek-V3: the MTP layer is model.layers.N (mlx-lm drops layer 61: the real depth) ------
+DEEPSEEK = dict(
+    model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=128,
+    hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=61,
+    num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4,
+    kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8,
+    num_experts_per_tok=2, first_k_dense_replace=61, moe_layer_freq=1, n_group=1, topk_group=1,
+    routed_scaling_factor=1.0, topk_method="noaux_tc", scoring_func="sigmoid",
+    norm_topk_prob=True, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, num_nextn_predict_layers=1)
+
+
+def deepseek_to_hf(weights, num_experts):
+    """mlx-lm deepseek_v3 tensors as the Hugging Face checkpoint stores them: experts apart,
+    MLA's embed_q / unembed_out joined back into kv_b_proj."""
+    out = {}
+    for k, v in weights.items():
+        if ".switch_mlp." in k:
+            out.update({k.replace("switch_mlp", f"experts.{e}"): v[e] for e in range(num_experts)})
+        elif k.endswith(".embed_q.weight"):
+            wv = weights[k.replace("embed_q", "unembed_out")]  # [heads, v_dim, lora]
+            kv_b = mx.concatenate([v.swapaxes(-1, -2), wv], axis=1)  # [heads, nope + v, lora]
+            out[k.replace("embed_q", "kv_b_proj")] = kv_b.reshape(-1, kv_b.shape[-1])
+        elif not k.endswith(".unembed_out.weight"):
+            out[k] = v
+    return out
+
+
+def test_deepseek_v3_mtp_layer_converted_decodes_as_the_target(tmp_path):
+    from mlx.utils import tree_map
+    from mlx_lm import load
+    from mlx_lm.models import deepseek_v3
+
+    mx.random.seed(0)
+    model = deepseek_v3.Model(deepseek_v3.ModelArgs.from_dict(DEEPSEEK))
+    model.update(tree_map(lambda p: p * 3.0 if p.ndim == 2 else p, model.parameters()))
+    mtp = make_mtp(model)
+    E, N = DEEPSEEK["n_routed_experts"], DEEPSEEK["num_hidden_layers"]
+    weights = deepseek_to_hf(dict(tree_flatten(model.parameters())), E)
+    layer = {("model.layers.0." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
+             for k, v in tree_flatten(mtp.parameters()) if k != "final_norm.weight"}
+    layer = deepseek_to_hf(layer, E)
+    weights.update({f"model.layers.{N}." + (k[len("model.layers.0."):]
+                                            if k.startswith("model.layers.0.") else k): v
+                    for k, v in layer.items()})
+    weights[f"model.layers.{N}.embed_tokens.weight"] = model.model.embed_tokens.weight
+    weights[f"model.layers.{N}.shared_head.head.weight"] = model.lm_head.weight
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    mx.save_safetensors(str(hf / "model.safetensors"), weights)
+    (hf / "config.json").write_text(json.dumps(DEEPSEEK))
+    make_tokenizer(128)._tokenizer.save_pretrained(str(hf))
+    run = subprocess.run([sys.executable, "-m", "mlx_dflash.cli", "convert", "target", str(hf),
+                          str(tmp_path / "mlx")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    target, _ = load(str(tmp_path / "mlx"))
+    draft = load_mtp_drafter(tmp_path / "mlx", target)
+    want = dict(tree_flatten(mtp.parameters()))
+    for k, v in tree_flatten(draft.parameters()):
+        assert mx.allclose(v, want[k], atol=1e-6), k
+    # a prompt the random target does not end at once
+    prompt = next(p for p in ([7, 8, 9, 3], [11, 12, 13, 14], [40, 41, 42], [3, 4, 5], [20, 21])
+                  if len(reference(target, p, 16)[0]) > 8)
+    ref = reference(target, prompt, 16)[0]
+    got = []
+    for r in stream_generate(target, draft, make_tokenizer(128), prompt, max_tokens=16,
+                             block_size=3, copy_drafts=False):
+        got += r.tokens
+    assert got == ref and len(ref) > 0 and r.stats.drafted_tokens > 0

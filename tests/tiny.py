@@ -140,7 +140,7 @@ def save_target(model, tokenizer: TokenizerWrapper, path, chat_template: str | N
 
 # Every target family mlx_dflash.target covers, as the model types mlx-lm loads them.
 FAMILY_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe",
-                "gpt_oss", "gemma3_text")
+                "gpt_oss", "gemma3_text", "deepseek_v3")
 WINDOW = 8  # sliding windows this small wrap within a short test
 
 
@@ -177,6 +177,11 @@ def family_config(model_type: str, vocab_size: int, hidden_size: int, num_layers
     elif model_type == "gpt_oss":
         config.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=window,
                       layer_types=["sliding_attention", "full_attention"] * (num_layers // 2))
+    elif model_type == "deepseek_v3":  # MLA attention, the first layer dense, then MoE
+        config.update(num_key_value_heads=heads, n_shared_experts=1, n_routed_experts=4,
+                      moe_intermediate_size=hidden_size // 2, kv_lora_rank=16, q_lora_rank=32,
+                      qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                      num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1)
     elif model_type == "gemma3_text":
         config.update(sliding_window=window, sliding_window_pattern=2,
                       query_pre_attn_scalar=head_dim)

@@ -1,13 +1,14 @@
 """The target's own multi-token-prediction (MTP) head as a drafter: nothing to train.
 
-Qwen3-Next checkpoints carry an MTP module (``mtp.*``): the embedding of the next token and the
-target's final hidden state (after its final norm), each normed, concatenated (the embedding
-first) and projected by ``fc`` (2H -> H), one full-attention decoder layer of the target's own
-kind (its MoE included), ``norm``, and the target's LM head (vLLM's qwen3_next_mtp.py). Drafting
-chains it (chain.py): each step's normed output is the next step's hidden state, as vLLM's
-"mtp" method does. mlx-lm drops these weights when it converts a model; ``mlx-dflash convert
-target`` keeps them beside the model in ``mtp.safetensors`` (convert/mtp.py), and
-:func:`load_mtp_drafter` (``--drafter mtp``) builds the drafter from them.
+Qwen3-Next checkpoints carry an MTP module (``mtp.*``), DeepSeek-V3 an extra decoder layer
+(``model.layers.N.*``). Both read the embedding of the next token and the target's final hidden
+state (after its final norm), each normed, concatenated (the embedding first) and projected
+(2H -> H), then one decoder layer of the target's own kind (its MoE included), a norm and the
+target's LM head (vLLM's qwen3_next_mtp.py and deepseek_mtp.py). Drafting chains it
+(chain.py): each step's output is the next step's hidden state. mlx-lm drops these weights
+when it converts a model; ``mlx-dflash convert target`` keeps them beside the model in
+``mtp.safetensors`` (convert/mtp.py), and :func:`load_mtp_drafter` (``--drafter mtp``) builds
+the drafter from them.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from .chain import ChainDrafter
 
 SIDECAR = "mtp.safetensors"
-FAMILIES = ("qwen3_next",)  # mlx-lm model types whose MTP module this builds
+FAMILIES = ("qwen3_next", "deepseek_v3")  # mlx-lm model types whose MTP module this builds
 DEFAULT_BLOCK = 4  # drafts per cycle + 1; Qwen's own serving recipes draft 2-3 with MTP
 
 
@@ -44,31 +46,48 @@ class MTPArgs:
 
 
 class MTPDraftModel(ChainDrafter):
+    """What every family's MTP module shares: the target's final norm over its hidden input,
+    the target's head, a chain of ``block_size - 1`` drafts. :func:`build` picks the family."""
+
     family = "mtp"
 
     def __init__(self, text_model: nn.Module, block_size: int = DEFAULT_BLOCK):
         super().__init__()
         args = text_model.args
-        if args.model_type not in FAMILIES:
-            raise NotImplementedError(f"MTP drafters of model type '{args.model_type}' are not "
-                                      f"supported yet ({', '.join(FAMILIES)} are)")
-        H, eps = args.hidden_size, args.rms_norm_eps
-        self.args = MTPArgs(H, args.vocab_size, [args.num_hidden_layers - 1], block_size)
-        self.final_norm = nn.RMSNorm(H, eps=eps)  # the target's: its hidden input is normed
-        self.final_norm.weight = text_model.model.norm.weight
-        self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=eps)
-        self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=eps)
-        self.fc = nn.Linear(2 * H, H, bias=False)
-        # One decoder layer of the target's own kind, a full-attention one.
-        layer_class = sys.modules[type(text_model).__module__].Qwen3NextDecoderLayer
-        self.layers = [layer_class(args, args.full_attention_interval - 1)]
-        self.norm = nn.RMSNorm(H, eps=eps)
+        self.args = MTPArgs(args.hidden_size, args.vocab_size, [args.num_hidden_layers - 1],
+                            block_size)
+        self.final_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.final_norm.weight = text_model.model.norm.weight  # the target's: not loaded
 
     def pass_key(self) -> tuple:
         return (self.args.hidden_size, self.block_size, type(self).__name__)
 
     def fuse(self, features: mx.array) -> mx.array:
         return self.final_norm(features)
+
+    @staticmethod
+    def decoder_layer(text_model: nn.Module, layer_idx: int) -> nn.Module:
+        """A decoder layer of the target's own class (its MoE included) at ``layer_idx``."""
+        module = sys.modules[type(text_model).__module__]
+        name = {"qwen3_next": "Qwen3NextDecoderLayer",
+                "deepseek_v3": "DeepseekV3DecoderLayer"}[text_model.args.model_type]
+        return getattr(module, name)(text_model.args, layer_idx)
+
+
+class Qwen3NextMTP(MTPDraftModel):
+    """vLLM's qwen3_next_mtp: [pre_fc_norm_embedding(embed) ; pre_fc_norm_hidden(hidden)] ->
+    fc -> one full-attention layer -> norm -> the target's head; the normed output is fed
+    back."""
+
+    def __init__(self, text_model: nn.Module, block_size: int = DEFAULT_BLOCK):
+        super().__init__(text_model, block_size)
+        args = text_model.args
+        H, eps = args.hidden_size, args.rms_norm_eps
+        self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=eps)
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.layers = [self.decoder_layer(text_model, args.full_attention_interval - 1)]
+        self.norm = nn.RMSNorm(H, eps=eps)
 
     def step(self, target: Any, tokens: mx.array, hidden: mx.array, kv: KVCache) -> mx.array:
         x = mx.concatenate([self.pre_fc_norm_embedding(target.embed(tokens)),
@@ -78,6 +97,50 @@ class MTPDraftModel(ChainDrafter):
 
     def logits(self, target: Any, out: mx.array) -> mx.array:
         return target.lm_head(out)
+
+
+class _SharedHead(nn.Module):
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.norm = nn.RMSNorm(dims, eps=eps)
+
+
+class DeepseekV3MTP(MTPDraftModel):
+    """DeepSeek-V3's MTP layer (vLLM's deepseek_mtp): eh_proj([enorm(embed) ; hnorm(hidden)])
+    -> one decoder layer (index N: MoE as the config places it) -> shared_head.norm -> the
+    target's head; the pre-norm output is fed back."""
+
+    def __init__(self, text_model: nn.Module, block_size: int = DEFAULT_BLOCK):
+        super().__init__(text_model, block_size)
+        args = text_model.args
+        H, eps = args.hidden_size, args.rms_norm_eps
+        self.enorm = nn.RMSNorm(H, eps=eps)
+        self.hnorm = nn.RMSNorm(H, eps=eps)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.layers = [self.decoder_layer(text_model, args.num_hidden_layers)]
+        self.shared_head = _SharedHead(H, eps)
+
+    def step(self, target: Any, tokens: mx.array, hidden: mx.array, kv: KVCache) -> mx.array:
+        x = self.eh_proj(mx.concatenate([self.enorm(target.embed(tokens)), self.hnorm(hidden)],
+                                        axis=-1))
+        L = x.shape[1]
+        mask = None if L == 1 else create_attention_mask(x, kv, return_array=True)  # MLA
+        return self.layers[0](x, mask, kv)
+
+    def logits(self, target: Any, out: mx.array) -> mx.array:
+        return target.lm_head(self.shared_head.norm(out))
+
+
+BUILDERS = {"qwen3_next": Qwen3NextMTP, "deepseek_v3": DeepseekV3MTP}
+
+
+def build(text_model: nn.Module, block_size: int = DEFAULT_BLOCK) -> MTPDraftModel:
+    """The (untrained) MTP module of ``text_model``'s family."""
+    model_type = text_model.args.model_type
+    if model_type not in BUILDERS:
+        raise NotImplementedError(f"MTP drafters of model type '{model_type}' are not "
+                                  f"supported yet ({', '.join(BUILDERS)} are)")
+    return BUILDERS[model_type](text_model, block_size)
 
 
 def load_mtp_drafter(model_dir: str | Path, model: nn.Module,
@@ -91,7 +154,7 @@ def load_mtp_drafter(model_dir: str | Path, model: nn.Module,
             f"{Path(model_dir)} has no {SIDECAR}: its MTP weights were not kept (mlx-lm's own "
             "conversion drops them); convert the Hugging Face checkpoint with `mlx-dflash "
             "convert target`, which keeps them")
-    drafter = MTPDraftModel(text, block_size)
+    drafter = build(text, block_size)
     dtype = text.model.norm.weight.dtype  # the target's float dtype
     weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
                for k, v in mx.load(str(path)).items()}
