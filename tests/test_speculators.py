@@ -134,6 +134,8 @@ def test_dspark_in_the_speculators_layout_samples_in_distribution(tmp_path):
                         markov_rank=8, enable_confidence_head=True)
     config, weights = write(made, small)
     assert config["sample_from_anchor"] is True and config["markov_rank"] == 8
+    # g inputs, g drafts (the anchor slot predicts the first)
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
     loaded = load_drafter(save(tmp_path / "ds", config, weights), model=small)
     assert same_weights(made, loaded)
     params = SamplingParams(0.8, 1.0, 0)

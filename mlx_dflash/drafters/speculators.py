@@ -137,7 +137,7 @@ def write(drafter: Any, target: Any = None, verifier: str | None = None
              "attention_bias": a.attention_bias, "hidden_act": "silu"}
     if a.sliding_window is not None:
         layer.update(layer_types=a.layer_types, sliding_window=a.sliding_window)
-    drafts = a.block_size - 1
+    drafts = drafter.max_drafts  # DSpark drafts from its anchor slot: one more
     aux = [i + 1 for i in a.target_layer_ids]
     config = {
         "architectures": [{"eagle3": "Eagle3Speculator", "dflash": "DFlashSpeculator",
