@@ -68,32 +68,6 @@ def sum_latency(hidden: int, tokens: int, reps: int = 50) -> float:
     return (time.perf_counter() - tic) / reps
 
 
-def tiny_pair(vocab_size: int) -> tuple:
-    """A random qwen3 target of 8 layers (hidden 256; 8 query / 4 key-value heads divide among
-    2 or 4 ranks) over the default tokenizer's vocabulary, and a random 1-layer DFlash drafter:
-    the same weights on every rank (seeded). Its greedy text repeats itself, so speculation
-    here is mostly copy drafts."""
-    from mlx.utils import tree_map
-    from mlx_lm.models import qwen3
-
-    from mlx_dflash.drafters import DFlashDraftModel, DraftArgs
-
-    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=256, num_hidden_layers=8,
-                           intermediate_size=512, num_attention_heads=8, num_key_value_heads=4,
-                           head_dim=32, rms_norm_eps=1e-6, vocab_size=vocab_size,
-                           rope_theta=10000.0, tie_word_embeddings=True,
-                           max_position_embeddings=4096)
-    mx.random.seed(0)
-    model = qwen3.Model(args)
-    model.update(tree_map(lambda p: p * 3.0 if p.ndim == 2 else p, model.parameters()))
-    drafter = DFlashDraftModel(DraftArgs(
-        hidden_size=256, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4,
-        intermediate_size=512, vocab_size=vocab_size, target_layer_ids=[1, 4, 6],
-        mask_token_id=0, block_size=8, num_target_layers=8, rope_theta=10000.0))
-    mx.eval(model.parameters(), drafter.parameters())
-    return model, drafter
-
-
 def share_latency(shape: tuple[int, ...], dtype, reps: int = 50) -> float:
     """Seconds of sending rank 0's array of ``shape`` to every rank (distributed.from_root):
     what drafting on rank 0 alone would add to each cycle, for the drafts it hands on."""
@@ -135,9 +109,6 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--messages-only", action="store_true",
                         help="time the messages (and the drafter pass) only, no decoding")
-    parser.add_argument("--tiny", action="store_true",
-                        help="a tiny random target (8 layers, hidden 256) and drafter instead of "
-                        "the default pair: cheap passes, so the link's share shows")
     args = parser.parse_args()
     if args.ranks and "MLX_RANK" not in os.environ:
         sys.exit(start_ranks(args.ranks))
@@ -145,8 +116,6 @@ def main() -> None:
     if group is None:
         sys.exit("run under mlx.launch with 2 or more ranks")
     model, drafter, tokenizer = load_default(progress=distributed.is_root())
-    if args.tiny:
-        model, drafter = tiny_pair(model.args.vocab_size)
     distributed.shard_target(model)
     sets = load_prompt_sets(args.prompts, args.limit)
     # Before any clock: the scheduler's pass costs (measured by all ranks together, once).
@@ -160,7 +129,6 @@ def main() -> None:
                                  if os.environ.get("MLX_DFLASH_STARTED_RANKS") else "mlx.launch")},
         "settings": {"max_tokens": args.max_tokens, "limit": args.limit, "greedy": True,
                      "split": "tensor parallel (mlx-lm shard)",
-                     "pair": "tiny random (--tiny)" if args.tiny else "default",
                      "messages_per_pass": 2 * len(model.layers)},
         "sum_latency_s": {str(n): sum_latency(hidden, n) for n in (1, 8)},
         "delays": {},
