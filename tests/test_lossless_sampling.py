@@ -84,6 +84,18 @@ def assert_follows(counts, counts4, joint, marginal4):
     assert stat4 < dof4 + 5 * np.sqrt(2 * dof4), f"4th-token chi2 {stat4:.1f} with {dof4} dof"
 
 
+def assert_drafter_samples_the_target(model, drafter, seed, temperature, top_p=1.0, top_k=0,
+                                      **kw):
+    """Speculative samples with ``drafter`` (no copy drafts: its own proposals) follow the
+    target's exact joint, and some of its drafts were accepted."""
+    joint, marginal4 = exact_joint(model, SamplingParams(temperature, top_p, top_k))
+    counts, counts4, accepted, _ = sample_runs(model, drafter, seed, temperature=temperature,
+                                               top_p=top_p, top_k=top_k, copy_drafts=False,
+                                               **kw)
+    assert_follows(counts, counts4, joint, marginal4)
+    assert accepted > 0
+
+
 @pytest.mark.parametrize(
     "temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.8, 0), (1.3, 1.0, 3)]
 )
