@@ -38,9 +38,14 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # ... and at these token counts
 @dataclass
 class PassCosts:
     verify_s: dict[int, list[float]]  # context -> seconds of a pass of sizes[i] tokens
-    draft_s: float
+    draft_s: float  # seconds of a drafter pass (a block drafter's, whatever it drafts)
     contexts: tuple[int, ...] = CONTEXTS
     sizes: tuple[int, ...] = SIZES
+    draft_step_s: float = 0.0  # a chain drafter's (chain.py): each draft after the first
+
+    def draft(self, k: int) -> float:
+        """Seconds of drafting ``k`` tokens."""
+        return self.draft_s + self.draft_step_s * max(k - 1, 0)
 
     def verify(self, n: int, context: int) -> float:
         """Seconds of an n-token target pass at this context (linear interpolation)."""
@@ -90,20 +95,35 @@ def snapshot_passes(target: Target, drafter: Drafter | None, context: int, max_t
         mx.eval(target.forward(mx.ones((1, n), dtype=mx.uint32), cache, layer_ids))
         target.rollback(cache, n)
 
-    def draft_pass() -> None:
+    def draft_pass(k: int) -> None:
         anchor = mx.zeros((1,), dtype=mx.uint32)
-        proposal = drafter.propose(target, anchor, draft_cache, max_tokens, max_tokens - 1,
-                                   SamplingParams())
+        proposal = drafter.propose(target, anchor, draft_cache, max_tokens, k, SamplingParams())
         mx.eval(proposal.drafts)  # the walk too (DSpark, DFlash 2)
 
     passes = [lambda n=n: target_pass(n) for n in (sizes or _sizes(max_tokens))]
-    return passes + ([draft_pass] if drafter is not None else [])
+    if drafter is None:
+        return passes
+    passes.append(lambda: draft_pass(max_tokens - 1))
+    if chained(drafter):  # its cost grows with the drafts: one draft too
+        passes.append(lambda: draft_pass(1))
+    return passes
+
+
+def chained(drafter: Drafter) -> bool:
+    """Whether the drafter drafts one token a step (its cost grows with the drafts)."""
+    return bool(getattr(drafter, "chained", False))
 
 
 def _costs_at(target: Target, drafter: Drafter | None, context: int, max_tokens: int, rounds: int):
-    """(seconds of a target pass of each size, of one drafter pass) at ``context``."""
-    *verify, draft = best_times(snapshot_passes(target, drafter, context, max_tokens), rounds)
-    return verify, draft
+    """(seconds of a target pass of each size, of the first draft, of each draft after it) at
+    ``context``: a block drafter's pass is all first draft."""
+    times = best_times(snapshot_passes(target, drafter, context, max_tokens), rounds)
+    n = len(_sizes(max_tokens))
+    verify, (full, *one) = times[:n], times[n:]
+    if not one:
+        return verify, full, 0.0
+    step = max(full - one[0], 0.0) / max(max_tokens - 2, 1)
+    return verify, one[0], step
 
 
 def _sizes(max_tokens: int) -> tuple[int, ...]:
@@ -114,8 +134,9 @@ def measure_costs(target: Target, drafter: Drafter, max_tokens: int, reps: int =
     """Best-of-``reps`` time of a target pass of 1..max_tokens tokens at each context length,
     and of one drafter pass, all timed in turn within each round (``best_times``)."""
     measured = {c: _costs_at(target, drafter, c, max_tokens, reps) for c in CONTEXTS}
-    return PassCosts({c: m[0] for c, m in measured.items()}, measured[CONTEXTS[0]][1],
-                     CONTEXTS, _sizes(max_tokens))
+    _, draft, step = measured[CONTEXTS[0]]
+    return PassCosts({c: m[0] for c, m in measured.items()}, draft, CONTEXTS,
+                     _sizes(max_tokens), step)
 
 
 def _cache_file(target: Target, drafter: Drafter, max_tokens: int) -> Path:
@@ -153,8 +174,6 @@ def _cached(path: Path, read: Callable[[dict], Any], measure: Callable[[], Any],
     data = _read_json(path) if distributed.is_root() else None
     try:
         costs = read(data) if data is not None else None
-        if costs is not None and min(flat(costs)) <= 0:  # a broken measurement: measure anew
-            costs = None
     except (KeyError, ValueError, TypeError, AttributeError):  # another version's file
         costs = None
     measured = not distributed.from_root([costs is not None])[0]
@@ -175,7 +194,11 @@ def cached_costs(target: Target, drafter: Drafter, max_tokens: int) -> PassCosts
 
     def read(data: dict) -> PassCosts | None:
         costs = PassCosts({int(k): v for k, v in data["verify_s"].items()}, data["draft_s"],
-                          tuple(data["contexts"]), tuple(data["sizes"]))
+                          tuple(data["contexts"]), tuple(data["sizes"]),
+                          data.get("draft_step_s", 0.0))
+        times = [t for ctx in CONTEXTS for t in costs.verify_s[ctx]] + [costs.draft_s]
+        if min(times) <= 0:  # a broken measurement: measured anew
+            return None
         return costs if (costs.contexts, costs.sizes) == (CONTEXTS, sizes) else None
 
     def measure() -> PassCosts:
@@ -187,13 +210,14 @@ def cached_costs(target: Target, drafter: Drafter, max_tokens: int) -> PassCosts
         return measure_costs(target, drafter, max_tokens)
 
     def unflat(v: np.ndarray) -> PassCosts:
-        verify = v[:-1].reshape(len(CONTEXTS), len(sizes))
-        return PassCosts({c: verify[i].tolist() for i, c in enumerate(CONTEXTS)}, float(v[-1]),
-                         CONTEXTS, sizes)
+        verify = v[:-2].reshape(len(CONTEXTS), len(sizes))
+        return PassCosts({c: verify[i].tolist() for i, c in enumerate(CONTEXTS)}, float(v[-2]),
+                         CONTEXTS, sizes, float(v[-1]))
 
     return _cached(_cache_file(target, drafter, max_tokens), read, measure, asdict,
-                   lambda c: [v for ctx in CONTEXTS for v in c.verify_s[ctx]] + [c.draft_s],
-                   unflat, len(CONTEXTS) * len(sizes) + 1)
+                   lambda c: [v for ctx in CONTEXTS for v in c.verify_s[ctx]]
+                   + [c.draft_s, c.draft_step_s],
+                   unflat, len(CONTEXTS) * len(sizes) + 2)
 
 
 _run_headroom: list[int] = []  # across machines: the smallest over the ranks, read once
@@ -277,7 +301,7 @@ class Scheduler:
         verify = self.costs.verify
         best_k, best = 0, 1.0 / verify(1, context)  # plain decoding's tokens per second
         for k in range(1, limit + 1):
-            rate = (1.0 + a[:k].sum()) / (self.costs.draft_s + verify(k + 1, context))
+            rate = (1.0 + a[:k].sum()) / (self.costs.draft(k) + verify(k + 1, context))
             if rate > best:
                 best_k, best = k, rate
         return best_k, best
@@ -454,6 +478,8 @@ def cached_batch_costs(target: Target, drafter: Drafter, max_tokens: int) -> Bat
         costs = BatchCosts(single, {int(k): v for k, v in data["ratio"].items()},
                            tuple(data["sizes"]), tuple(data["rows"]),
                            {int(k): v for k, v in data["draft_ratio"].items()})
+        if min(min(r) for r in costs.ratio.values()) <= 0:  # a broken measurement
+            return None
         return costs if (costs.sizes, costs.rows) == (sizes, rows) else None
 
     def measure() -> BatchCosts:

@@ -163,6 +163,17 @@ def test_the_batch_engine_and_a_prefix_cache_decode_as_one(model, drafter):
         assert out == reference(model, prompt, 12)[0]
 
 
+def test_the_scheduler_times_a_chain_by_its_length(model, drafter):
+    """A chain drafter's pass costs more with each draft: the costs say how much, and the
+    block scheduler weighs K drafts at that price (a block drafter's pass costs the same)."""
+    from mlx_dflash.schedule import measure_costs
+
+    costs = measure_costs(Target(model), drafter, 6, reps=2)
+    assert costs.draft_step_s > 0 and costs.draft(5) > costs.draft(1) == costs.draft_s
+    block = measure_costs(Target(model), make_drafter(model, block_size=6), 6, reps=1)
+    assert block.draft_step_s == 0 and block.draft(5) == block.draft_s
+
+
 def test_default_taps_come_from_the_target(model, tmp_path):
     made = make_eagle3(make_target("qwen3", seed=2, num_layers=8), layer_ids=(1, 3, 4))
     config = specforge_config(made)

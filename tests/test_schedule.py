@@ -48,6 +48,28 @@ def test_measured_costs_have_one_entry_per_block():
     assert costs.draft_s > 0 and costs.verify(2, 500) > 0
 
 
+def test_a_costs_file_with_a_zero_time_is_measured_anew(tmp_path, monkeypatch):
+    """A file whose times include 0 (a broken measurement) would divide by zero: it is timed
+    again and rewritten."""
+    import json
+
+    from mlx_dflash import schedule
+    from mlx_dflash.target import Target
+
+    monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path))
+    model = make_target("qwen3")
+    drafter = make_drafter(model, block_size=4)
+    target = Target(model)
+    path = schedule._cache_file(target, drafter, 4)
+    good = schedule.cached_costs(target, drafter, 4)
+    data = json.loads(path.read_text())
+    data["verify_s"]["128"][0] = 0.0
+    path.write_text(json.dumps(data))
+    again = schedule.cached_costs(target, drafter, 4)
+    assert min(again.verify_s[128]) > 0 and good.sizes == again.sizes
+    assert json.loads(path.read_text())["verify_s"]["128"][0] > 0
+
+
 @pytest.fixture
 def forced(monkeypatch):
     """Auto mode with fixed costs and a settable memory headroom."""

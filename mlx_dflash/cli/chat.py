@@ -21,8 +21,10 @@ def estimate_speedup(stats: Any, costs: Any, context: int) -> float:
     if costs is None or not stats.cycles:
         return 1.0
     spent = sum(costs.verify(k + 1, context) for k in stats.draft_lengths)
-    drafted = sum(1 for k in stats.draft_lengths if k) - stats.copy_cycles
-    spent += costs.draft_s * max(drafted, 0)
+    drafting = [k for k in stats.draft_lengths if k]  # copied cycles among them: no drafter
+    drafted = max(len(drafting) - stats.copy_cycles, 0)
+    if drafting:
+        spent += sum(costs.draft(k) for k in drafting) * drafted / len(drafting)
     return sum(stats.acceptance_lengths) * costs.verify(1, context) / spent
 
 

@@ -30,6 +30,7 @@ class ChainDrafter(nn.Module):
     ``block_size`` (drafts + 1) and ``target_layer_ids``."""
 
     fixed_width = False  # a chain drafts as many as asked
+    chained = True  # its cost grows with the drafts asked (schedule.PassCosts.draft_step_s)
     walk_candidates = None
     ngram = None  # lookup drafts shipped with a checkpoint: none
     source_path = None
