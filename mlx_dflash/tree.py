@@ -114,27 +114,29 @@ class DraftTree:
         return path, choices[row]
 
 
-def grow_tree(first: mx.array, transition: Callable[[int, mx.array], mx.array],
+def grow_tree(first: mx.array, transition: Callable[[int, mx.array, mx.array], mx.array],
               cand_ids: mx.array, beam: int) -> tuple[mx.array, mx.array, mx.array]:
     """A tree's candidate nodes, level by level (lazy). ``first`` [M]: logits of position 0's
-    candidates (the anchor's children); ``transition(d, parents)``: logits [B, M] of position
-    d's candidates under each of B parent nodes of depth d (``parents``: their candidate
-    indices at position d - 1); ``cand_ids`` [K, M]: the candidates' target ids. Returns per
-    node (``beam`` per level, by level): target id, parent node (-1: the anchor), log path
-    probability."""
+    candidates (the anchor's children); ``transition(d, parents, rows)``: logits [B, M] of
+    position d's candidates under each of B parent nodes of depth d (``parents``: their
+    candidate indices at position d - 1; ``rows``: the row of each one's own parent in the
+    level before, 0 for the anchor's children); ``cand_ids`` [K, M]: the candidates' target
+    ids. Returns per node (``beam`` per level, by level): target id, parent node (-1: the
+    anchor), log path probability."""
     K, M = cand_ids.shape
     beam = min(beam, M)
     logp = first.astype(mx.float32) - mx.logsumexp(first.astype(mx.float32))
     pick = mx.argpartition(-logp, beam - 1)[:beam]
     scores = logp[pick]
     tokens, parents, all_scores = [cand_ids[0][pick]], [mx.full((beam,), -1, mx.int32)], [scores]
+    rows = mx.zeros((beam,), dtype=mx.int32)
     for d in range(1, K):
-        logits = transition(d, pick).astype(mx.float32)  # [beam, M]
+        logits = transition(d, pick, rows).astype(mx.float32)  # [beam, M]
         paths = logits - mx.logsumexp(logits, axis=-1, keepdims=True) + scores[:, None]
         flat = paths.reshape(-1)
         best = mx.argpartition(-flat, beam - 1)[:beam]
-        scores, pick = flat[best], best % M
-        parents.append((best // M).astype(mx.int32) + (d - 1) * beam)
+        scores, pick, rows = flat[best], best % M, (best // M).astype(mx.int32)
+        parents.append(rows + (d - 1) * beam)
         tokens.append(cand_ids[d][pick])
         all_scores.append(scores)
     return (mx.concatenate(tokens).astype(mx.uint32), mx.concatenate(parents),
@@ -205,7 +207,8 @@ def independent(logits: mx.array, width: int, vocab_ids: mx.array | None, beam: 
     cand_logits = mx.take_along_axis(logits, top, axis=-1)
     ids = vocab_ids[top] if vocab_ids is not None else top
     return grow_tree(cand_logits[0],
-                     lambda d, parents: mx.broadcast_to(cand_logits[d], (parents.shape[0], width)),
+                     lambda d, parents, _: mx.broadcast_to(cand_logits[d],
+                                                           (parents.shape[0], width)),
                      ids, beam)
 
 

@@ -145,6 +145,83 @@ def test_sampled_output_follows_the_target(temperature, top_p, top_k):
     assert_drafter_samples_the_target(small, eagle, 99, temperature, top_p, top_k, block_size=4)
 
 
+def test_a_tree_of_width_one_is_the_chain(model, drafter):
+    """EAGLE-2's dynamic tree with one node a level walks the same path as the greedy chain."""
+    target = Target(model)
+    tokens = mx.array([PROMPT], dtype=mx.uint32)
+    _, feats = target.hidden_states(tokens, target.make_cache(), drafter.target_layer_ids)
+
+    def fresh():
+        cache = drafter.make_cache()
+        drafter.commit(feats[:, :-1], cache, tokens[:, :-1])
+        return cache
+
+    K = drafter.max_drafts  # a SpecForge config names no block: ours, 8
+    chain = drafter.propose(target, tokens[0, -1:], fresh(), K + 1, K, SamplingParams()).drafts
+    cache = fresh()
+    nodes, parents, _ = drafter.grow_tree(target, tokens[0, -1:], cache, K + 1, beam=1)
+    assert nodes.tolist() == chain.tolist() and parents.tolist() == list(range(-1, K - 1))
+    assert cache[0].offset == len(PROMPT) - 2  # the tree's keys left the cache
+
+
+def test_every_tree_node_scores_its_own_path(model, drafter):
+    """With several nodes a level, each node's path probability equals the chain run along its
+    path alone: a node sees the context and its ancestors, not its cousins, at its depth."""
+    target = Target(model)
+    tokens = mx.array([PROMPT], dtype=mx.uint32)
+    _, feats = target.hidden_states(tokens, target.make_cache(), drafter.target_layer_ids)
+
+    def fresh():
+        cache = drafter.make_cache()
+        drafter.commit(feats[:, :-1], cache, tokens[:, :-1])
+        return cache
+
+    anchor = tokens[0, -1:]
+    nodes, parents, scores = drafter.grow_tree(target, anchor, fresh(), 5, beam=3)
+    nodes, parents, scores = nodes.tolist(), parents.tolist(), scores.tolist()
+    index = {t: i for i, t in enumerate(drafter.vocab_ids.tolist())}
+    for i in range(0, len(nodes), 2):
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, nodes[j])
+            j = parents[j]
+        cache = fresh()
+        out, _ = drafter.first_pass(target, anchor, cache)
+        logp = 0.0
+        for t in path:
+            logits = drafter.logits(target, out[:, -1])[0].astype(mx.float32)
+            logp += (logits - mx.logsumexp(logits)).tolist()[index[t]]
+            out = drafter.step(target, mx.array([[t]], dtype=mx.uint32), out, cache[0])
+        assert abs(logp - scores[i]) < 1e-3, (i, path)
+
+
+@pytest.mark.parametrize("tree", [3, 8, "auto"])
+def test_tree_drafts_are_the_targets_own(model, drafter, tree, monkeypatch):
+    """Trees of drafts from the EAGLE-3 drafter (side branches taken), greedy and sampled
+    batches: the target's own greedy output."""
+    from test_tree import record_side_branches
+
+    branches = record_side_branches(monkeypatch)
+    want = reference(model, PROMPT, 30)[0]
+    got = []
+    for r in stream_generate(model, drafter, make_tokenizer(128), PROMPT, max_tokens=30,
+                             tree=tree, copy_drafts=False):
+        got += r.tokens
+    assert got == want and r.stats.tree_cycles > 0
+    if tree == 8:
+        assert any(branches)
+    batch = [r.tokens for r in batch_generate(model, drafter, make_tokenizer(128),
+                                              [PROMPT, [7, 8, 9]], max_tokens=12, tree=tree)]
+    assert batch == [reference(model, p, 12)[0] for p in (PROMPT, [7, 8, 9])]
+
+
+def test_tree_sampling_follows_the_target():
+    small = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)
+    eagle = make_eagle3(small, vocab_ids=list(range(6)), block_size=4, layer_ids=(0, 1, 1),
+                        seed=7)
+    assert_drafter_samples_the_target(small, eagle, 21, 1.0, tree=4)
+
+
 def test_the_batch_engine_and_a_prefix_cache_decode_as_one(model, drafter):
     from mlx_dflash.decode import stream_generate_cached
     from mlx_dflash.prefix_cache import PrefixCache
@@ -202,7 +279,4 @@ def test_malformed_checkpoints_are_refused_by_name(model, drafter, tmp_path):
     wide = make_target("qwen3", seed=2, hidden_size=96)
     with pytest.raises(DrafterMismatchError, match="hidden_size 64"):
         load_drafter(write_specforge(made, model, tmp_path / "ok"), model=wide)
-    with pytest.raises(ValueError, match="takes no trees|tree"):
-        list(stream_generate(model, drafter, make_tokenizer(128), PROMPT, max_tokens=4,
-                             tree=4))
     assert np.all(np.array(drafter.vocab_ids) % 2 == 0)

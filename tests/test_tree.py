@@ -76,7 +76,7 @@ def test_the_tree_chosen_on_the_device_is_the_hosts():
         first = mx.array(rng.standard_normal(8).astype(np.float32) * 2)
         steps = mx.array(rng.standard_normal((K, 8, 8)).astype(np.float32) * 2)
         ids = mx.array(rng.integers(0, 100, (K, 8)).astype(np.uint32))
-        grown = grow_tree(first, lambda d, p: steps[d][p], ids, beam)  # noqa: B023
+        grown = grow_tree(first, lambda d, p, _: steps[d][p], ids, beam)  # noqa: B023
         host = select_on_host(*(np.array(a) for a in grown), size)
         lazy = select_tree(*grown, size)
         assert np.array(lazy.tokens).tolist() == host.tokens

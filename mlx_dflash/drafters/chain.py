@@ -76,10 +76,11 @@ class ChainDrafter(nn.Module):
             pending[0] = mx.concatenate([pending[0], hidden], axis=1)
             pending[1] = mx.concatenate([pending[1], tokens], axis=1)
 
-    def propose(self, target: Any, anchor: mx.array, cache: list[Any], width: int,
-                num_drafts: int, params: SamplingParams) -> Proposal:
-        """The pending pairs (the anchor is the last one's next token) through the drafter,
-        then a chain of ``num_drafts`` drafts; the chain's keys leave the cache again."""
+    def first_pass(self, target: Any, anchor: mx.array, cache: list[Any]
+                   ) -> tuple[mx.array, int]:
+        """The pending pairs through the drafter (the anchor is the last one's next token):
+        the anchor pair's output [1, 1, H], and how many positions the cache held before it
+        (the pair is read again with the next commit: trim back to that after drafting)."""
         kv, pending = cache
         if pending[0] is None:
             raise ValueError(f"a {self.family} drafter drafts after at least one committed "
@@ -92,7 +93,14 @@ class ChainDrafter(nn.Module):
             self.step(target, tokens[:, start:end], hidden[:, start:end], kv)
         held = kv.offset
         pending[0], pending[1] = hidden[:, -1:], tokens[:, :0]
-        out = self.step(target, tokens[:, -1:], hidden[:, -1:], kv)
+        return self.step(target, tokens[:, -1:], hidden[:, -1:], kv), held
+
+    def propose(self, target: Any, anchor: mx.array, cache: list[Any], width: int,
+                num_drafts: int, params: SamplingParams) -> Proposal:
+        """The pending pairs (the anchor is the last one's next token) through the drafter,
+        then a chain of ``num_drafts`` drafts; the chain's keys leave the cache again."""
+        kv = cache[0]
+        out, held = self.first_pass(target, anchor, cache)
         drafts, probs = [], []
         for k in range(num_drafts):
             x, q = proposal_from_logits(self.logits(target, out[:, -1]), params, self.vocab_ids,

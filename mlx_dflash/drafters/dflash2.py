@@ -223,7 +223,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         cand, unary_k = sel.candidates(self.head(target, hidden).astype(mx.float32))
         first, rest = sel.lattice(cand, unary_k, hidden, self.prev_rows(anchor)[0])
         ids = self.vocab_ids[cand] if self.vocab_ids is not None else cand
-        return grow_tree(first, lambda d, pick: rest[d - 1][pick], ids, beam)
+        return grow_tree(first, lambda d, pick, _: rest[d - 1][pick], ids, beam)
 
     def train_logits(self, target: Any, features, blocks, anchors, prev):
         """(draft logits [N, n, V'], (selector scores [N, n, K], candidates [N, n, K])) of

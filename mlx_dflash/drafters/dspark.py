@@ -309,7 +309,7 @@ class DSparkDraftModel(DFlashDraftModel):
 
         ids = self.vocab_ids[cand] if self.vocab_ids is not None else cand
         return grow_tree(scored(0, self.prev_rows(anchor))[0],
-                         lambda d, pick: scored(d, cand[d - 1][pick]), ids, beam)
+                         lambda d, pick, _: scored(d, cand[d - 1][pick]), ids, beam)
 
     def calibrated(self, conf_logits: mx.array) -> mx.array:
         """sigmoid(logit_k / T_k + b_k) with the sequentially fitted temperatures and offsets

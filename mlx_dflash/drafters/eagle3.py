@@ -26,6 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..tree import grow_tree
 from .chain import ChainDrafter
 from .layers import MLP, DraftArgs
 
@@ -159,17 +160,27 @@ class Eagle3Attention(nn.Module):
         B, L, _ = x.shape
         return x.reshape(B, L, n, self.head_dim).transpose(0, 2, 1, 3)
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache, seen: mx.array | None = None,
+                 position: int | None = None) -> mx.array:
+        """A run of positions [1, L, 2H] after the cache; or, with ``seen`` [B, T] (which of
+        the cache's T entries after this call each row attends to), B tree nodes [B, 1, 2H] of
+        one depth, all at ``position``: their keys join the cache side by side."""
         B, L, _ = x.shape
         q = self._heads(self.q_proj(x), self.n_heads)
         k = self._heads(self.k_proj(x), self.n_kv_heads)
         v = self._heads(self.v_proj(x), self.n_kv_heads)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
-        k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
-                                                   mask="causal" if L > 1 else None)
+        offset = cache.offset if position is None else position
+        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        if seen is None:
+            k, v = cache.update_and_fetch(k, v)
+            mask = "causal" if L > 1 else None
+        else:  # tree nodes: rows of a batch in, positions of the one cache out
+            k, v = cache.update_and_fetch(k.transpose(2, 1, 0, 3), v.transpose(2, 1, 0, 3))
+            k, v = (mx.broadcast_to(a, (B, *a.shape[1:])) for a in (k, v))
+            mask = seen[:, None, None, :]
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -185,11 +196,12 @@ class Eagle3Layer(nn.Module):
         self.self_attn = Eagle3Attention(a)
         self.mlp = MLP(a.hidden_size, a.intermediate_size)
 
-    def __call__(self, embeds: mx.array, hidden: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache: KVCache,
+                 seen: mx.array | None = None, position: int | None = None) -> mx.array:
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = mx.concatenate([self.input_layernorm(embeds), normed], axis=-1)
-        h = residual + self.self_attn(x, cache)
+        h = residual + self.self_attn(x, cache, seen, position)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -267,3 +279,35 @@ class Eagle3DraftModel(ChainDrafter):
 
     def logits(self, target: Any, out: mx.array) -> mx.array:
         return self.lm_head(self.norm(out))
+
+    def grow_tree(self, target: Any, anchor: mx.array, cache: list[Any], width: int,
+                  beam: int) -> tuple[mx.array, mx.array, mx.array]:
+        """A tree's candidate nodes below ``anchor`` (tree.grow_tree, lazy), EAGLE-2's way: each
+        level's ``beam`` best nodes by path probability each run one step (side by side in the
+        cache, each row seeing the context and its own ancestors) to score its children over
+        the whole draft vocabulary. The tree's keys leave the cache again, as a chain's do."""
+        kv = cache[0]
+        out, held = self.first_pass(target, anchor, cache)
+        base = kv.offset  # the context and the anchor's pair
+        first = self.logits(target, out[:, -1])[0]
+        ids = self.vocab_ids if self.vocab_ids is not None else mx.arange(first.shape[0])
+        K = self.max_drafts
+        state = {"out": out[0], "seen": mx.zeros((1, 0), dtype=mx.bool_)}
+
+        def transition(d: int, pick: mx.array, rows: mx.array) -> mx.array:
+            """Step the level-d nodes (tokens ``ids[pick]``, under rows ``rows`` of the level
+            before): their children's logits [B, V']."""
+            B = pick.shape[0]
+            # each node sees its parent's ancestors and itself (the anchor's children: rows 0)
+            seen = mx.concatenate([state["seen"][rows], mx.eye(B, dtype=mx.bool_)], axis=1)
+            mask = mx.concatenate([mx.ones((B, base), dtype=mx.bool_), seen], axis=1)
+            tokens = ids[pick].astype(mx.uint32)[:, None]
+            hidden = state["out"][rows][:, None]
+            out = self.midlayer(target.embed(tokens), hidden, kv, mask, held + d)[:, 0]
+            state["out"], state["seen"] = out, seen
+            return self.logits(target, out)
+
+        grown = grow_tree(first, transition, mx.broadcast_to(ids[None], (K, ids.shape[0])),
+                          beam)
+        kv.trim(kv.offset - held)
+        return grown
