@@ -86,8 +86,7 @@ def _split(target: Any, draft: Any, tokenizer: Any, split: str) -> tuple:
 SPLIT_HELP = ("Under mlx.launch, how the target is split across the ranks: 'tensor' (every "
               "layer by heads: two messages a layer per pass), 'pipeline' (runs of whole "
               "layers: a few messages per pass, however deep; better over slow links), or "
-              "'auto' "
-              "(tensor where the heads divide).")
+              "'auto' (tensor where the heads divide).")
 SPLITS = ("auto", "tensor", "pipeline")
 
 

@@ -4,7 +4,7 @@ Messages; streaming), for one or several models, with prefix caches in memory an
 from __future__ import annotations
 
 import functools
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -134,7 +134,7 @@ def serve(
                 timeout_graceful_shutdown=5)
 
 
-def _across_machines(entries: list, cache: object) -> None:
+def _across_machines(entries: list, cache: Any) -> None:
     """Under mlx.launch: refuse what does not run across machines yet, and make the ranks
     sample alike."""
     import mlx.core as mx
@@ -149,7 +149,7 @@ def _across_machines(entries: list, cache: object) -> None:
     mx.random.seed(distributed.common_seed(None))  # requests without a seed draw alike
 
 
-def _follow(worker: object) -> None:
+def _follow(worker: Any) -> None:
     """A rank other than 0: run the engine steps rank 0 runs, until it stops serving."""
     from .. import distributed
     from ..server.ranks import follow
