@@ -46,8 +46,8 @@ def to_hf(name, value, num_experts):
     mlx-lm's sanitize): experts apart, zero-centred norms, conv1d [C, 1, K]."""
     if ".switch_mlp." in name:
         return {name.replace("switch_mlp", f"experts.{e}"): value[e] for e in range(num_experts)}
-    if (name.endswith(ZERO_CENTRED) or name in ("model.norm.weight", "mtp.norm.weight")) \
-            and value.ndim == 1:
+    if (name.endswith(ZERO_CENTRED + ("language_model.norm.weight",))
+            or name in ("model.norm.weight", "mtp.norm.weight")) and value.ndim == 1:
         return {name: value - 1.0}
     if name.endswith("conv1d.weight"):
         return {name: value.moveaxis(2, 1)}
@@ -126,12 +126,51 @@ def test_sampled_with_the_mtp_head_follows_the_target():
     assert_drafter_samples_the_target(small, mtp, 11, 0.9, block_size=3)
 
 
+def test_qwen3_5_mtp_head_converted_decodes_as_the_target(tmp_path):
+    """Qwen3.5 (dense): the language model under model.language_model.*, the MTP head under
+    mtp.*, the config's fields in text_config."""
+    from mlx_lm import load
+
+    model = make_family_target("qwen3_5", seed=1)
+    mtp = make_mtp(model.language_model)
+    weights = {}
+    for k, v in tree_flatten(model.parameters()):
+        name = k.replace("language_model.model.", "model.language_model.", 1)
+        weights.update(to_hf(name.replace("language_model.lm_head", "lm_head"), v, 0))
+    for k, v in tree_flatten(mtp.parameters()):
+        if k != "final_norm.weight":
+            weights.update(to_hf("mtp." + k, v, 0))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    mx.save_safetensors(str(hf / "model.safetensors"), weights)
+    text = {**family_config("qwen3_5", 128, 64, 4, True), "model_type": "qwen3_5_text"}
+    (hf / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text,
+                                                "tie_word_embeddings": True}))
+    make_tokenizer(128)._tokenizer.save_pretrained(str(hf))
+    run = subprocess.run([sys.executable, "-m", "mlx_dflash.cli", "convert", "target", str(hf),
+                          str(tmp_path / "mlx")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    target, _ = load(str(tmp_path / "mlx"))
+    draft = load_mtp_drafter(tmp_path / "mlx", target)
+    want = dict(tree_flatten(mtp.parameters()))
+    for k, v in tree_flatten(draft.parameters()):
+        assert mx.allclose(v, want[k], atol=1e-6), k
+    ref = reference(target, PROMPT, 16)[0]
+    got = []
+    for r in stream_generate(target, draft, make_tokenizer(128), PROMPT, max_tokens=16,
+                             block_size=3, copy_drafts=False):
+        got += r.tokens
+    assert got == ref and r.stats.drafted_tokens > 0
+
+
 def test_targets_without_an_mtp_head_are_refused(converted, tmp_path):
     model, _, out = converted
     with pytest.raises(FileNotFoundError, match="has no mtp.safetensors"):
         load_mtp_drafter(tmp_path, model)
     with pytest.raises(NotImplementedError, match="model type 'qwen3'"):
         build(make_target("qwen3"))
+    with pytest.raises(NotImplementedError, match="Qwen3.5 MoE"):
+        build(make_family_target("qwen3_5_moe").language_model)
     mx.save_safetensors(str(tmp_path / "mtp.safetensors"), {"fc.weight": mx.zeros((64, 128))})
     with pytest.raises(ValueError, match="does not fit a qwen3_next MTP module: lacks"):
         load_mtp_drafter(tmp_path, model)

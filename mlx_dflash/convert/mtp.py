@@ -25,9 +25,9 @@ def extract_mtp(src: str | Path, out: str | Path, dtype: str | None = None) -> i
     """Write ``out/mtp.safetensors`` from the Hugging Face checkpoint at ``src``; returns how
     many tensors it holds (0: the checkpoint has no MTP weights, nothing is written)."""
     src, out = Path(src), Path(out)
-    config = json.loads((src / "config.json").read_text())
-    config = config.get("text_config", config)
-    model_type = config.get("model_type")
+    top = json.loads((src / "config.json").read_text())
+    config = top.get("text_config", top)  # Qwen3.5: the language model's fields
+    model_type = top.get("model_type")
     # Qwen3-Next: mtp.*; DeepSeek-V3: the decoder layer after the last, model.layers.N.*
     prefix = (f"model.layers.{config.get('num_hidden_layers')}."
               if model_type == "deepseek_v3" else "mtp.")
@@ -37,7 +37,7 @@ def extract_mtp(src: str | Path, out: str | Path, dtype: str | None = None) -> i
                         if k.startswith(prefix)})
     if not weights:
         return 0
-    if model_type not in FAMILIES:
+    if model_type not in FAMILIES or model_type == "qwen3_5" and config.get("num_experts"):
         raise NotImplementedError(f"{src}: keeping the MTP weights of model type '{model_type}' "
                                   f"is not supported yet ({', '.join(FAMILIES)} are)")
     if model_type == "deepseek_v3":

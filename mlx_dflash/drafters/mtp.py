@@ -1,6 +1,6 @@
 """The target's own multi-token-prediction (MTP) head as a drafter: nothing to train.
 
-Qwen3-Next checkpoints carry an MTP module (``mtp.*``), DeepSeek-V3 an extra decoder layer
+Qwen3-Next and Qwen3.5 checkpoints carry an MTP module (``mtp.*``), DeepSeek-V3 an extra layer
 (``model.layers.N.*``). Both read the embedding of the next token and the target's final hidden
 state (after its final norm), each normed, concatenated (the embedding first) and projected
 (2H -> H), then one decoder layer of the target's own kind (its MoE included), a norm and the
@@ -27,7 +27,7 @@ from mlx_lm.models.cache import KVCache
 from .chain import ChainDrafter
 
 SIDECAR = "mtp.safetensors"
-FAMILIES = ("qwen3_next", "deepseek_v3")  # mlx-lm model types whose MTP module this builds
+FAMILIES = ("qwen3_next", "qwen3_5", "deepseek_v3")  # model types whose MTP head is read
 DEFAULT_BLOCK = 4  # drafts per cycle + 1; Qwen's own serving recipes draft 2-3 with MTP
 
 
@@ -69,9 +69,7 @@ class MTPDraftModel(ChainDrafter):
     def decoder_layer(text_model: nn.Module, layer_idx: int) -> nn.Module:
         """A decoder layer of the target's own class (its MoE included) at ``layer_idx``."""
         module = sys.modules[type(text_model).__module__]
-        name = {"qwen3_next": "Qwen3NextDecoderLayer",
-                "deepseek_v3": "DeepseekV3DecoderLayer"}[text_model.args.model_type]
-        return getattr(module, name)(text_model.args, layer_idx)
+        return getattr(module, LAYER_CLASSES[family_of(text_model)])(text_model.args, layer_idx)
 
 
 class Qwen3NextMTP(MTPDraftModel):
@@ -131,16 +129,24 @@ class DeepseekV3MTP(MTPDraftModel):
         return target.lm_head(self.shared_head.norm(out))
 
 
-BUILDERS = {"qwen3_next": Qwen3NextMTP, "deepseek_v3": DeepseekV3MTP}
+# Keyed by the mlx-lm module of the text model (Qwen3.5's is qwen3_5, whatever its model type).
+BUILDERS = {"qwen3_next": Qwen3NextMTP, "qwen3_5": Qwen3NextMTP, "deepseek_v3": DeepseekV3MTP}
+LAYER_CLASSES = {"qwen3_next": "Qwen3NextDecoderLayer", "qwen3_5": "DecoderLayer",
+                 "deepseek_v3": "DeepseekV3DecoderLayer"}
+
+
+def family_of(text_model: nn.Module) -> str:
+    return type(text_model).__module__.rsplit(".", 1)[-1]
 
 
 def build(text_model: nn.Module, block_size: int = DEFAULT_BLOCK) -> MTPDraftModel:
     """The (untrained) MTP module of ``text_model``'s family."""
-    model_type = text_model.args.model_type
-    if model_type not in BUILDERS:
-        raise NotImplementedError(f"MTP drafters of model type '{model_type}' are not "
-                                  f"supported yet ({', '.join(BUILDERS)} are)")
-    return BUILDERS[model_type](text_model, block_size)
+    family = family_of(text_model)
+    if family not in BUILDERS or getattr(text_model.args, "num_experts", 0) and family == "qwen3_5":
+        what = "Qwen3.5 MoE" if family == "qwen3_5" else f"model type '{family}'"
+        raise NotImplementedError(f"MTP drafters of {what} are not supported yet (Qwen3-Next, "
+                                  "dense Qwen3.5 and DeepSeek-V3 are)")
+    return BUILDERS[family](text_model, block_size)
 
 
 def load_mtp_drafter(model_dir: str | Path, model: nn.Module,
@@ -161,7 +167,7 @@ def load_mtp_drafter(model_dir: str | Path, model: nn.Module,
     expected = {k for k, _ in tree_flatten(drafter.parameters())} - {"final_norm.weight"}
     missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
     if missing or unexpected:
-        raise ValueError(f"{path} does not fit a {text.args.model_type} MTP module: "
+        raise ValueError(f"{path} does not fit a {family_of(text)} MTP module: "
                          + (f"lacks {', '.join(missing[:6])}" if missing else "")
                          + ("; " if missing and unexpected else "")
                          + (f"has unexpected {', '.join(unexpected[:6])}" if unexpected else ""))
