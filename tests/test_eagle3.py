@@ -251,6 +251,21 @@ def test_the_scheduler_times_a_chain_by_its_length(model, drafter):
     assert block.draft_step_s == 0 and block.draft(5) == block.draft_s
 
 
+def test_specforge_norm_output_false_reads_the_head_without_the_norm(model, tmp_path):
+    made = make_eagle3(model)
+    config = specforge_config(made)
+    config["norm_output"] = False
+    loaded = load_drafter(write_specforge(made, model, tmp_path / "ckpt", config), model=model)
+    out = mx.random.normal((1, model.args.hidden_size))
+    assert not loaded.args.head_norm
+    assert mx.allclose(loaded.logits(Target(model), out), loaded.lm_head(out))
+    got = []
+    for r in stream_generate(model, loaded, make_tokenizer(128), PROMPT, max_tokens=20,
+                             copy_drafts=False):
+        got += r.tokens
+    assert got == reference(model, PROMPT, 20)[0]
+
+
 def test_default_taps_come_from_the_target(model, tmp_path):
     made = make_eagle3(make_target("qwen3", seed=2, num_layers=8), layer_ids=(1, 3, 4))
     config = specforge_config(made)

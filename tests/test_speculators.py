@@ -101,6 +101,31 @@ def test_eagle3_in_the_speculators_layout(model, tmp_path):
     assert set(weights2) == set(weights) - {"embed_tokens.weight"}
 
 
+def test_eagle3_1_feeds_the_normed_state_back(model, tmp_path):
+    """speculators' ``norm_output`` ("Eagle 3.1"): each step hands on its normed output, and
+    the head reads it as it is; decoding stays the target's, chains and trees alike."""
+    from mlx_dflash.target import Target
+
+    made = make_eagle3(model, block_size=4)
+    weights = {("layers.0." + k[9:] if k.startswith("midlayer.") else k): v
+               for k, v in tree_flatten(made.parameters())}
+    config = speculators_config(made, "eagle3", 3, norm_output=True,
+                                eagle_aux_hidden_state_layer_ids=[1, 2, 3])
+    loaded = load_drafter(save(tmp_path / "e31", config, weights), model=model)
+    assert loaded.args.feed_normed and write(loaded)[0]["norm_output"] is True
+    assert greedy(model, loaded) == greedy(model, loaded, tree=4) == \
+        reference(model, PROMPT, 24)[0]
+    from mlx_lm.models.cache import KVCache
+
+    target = Target(model)
+    tokens = mx.array([PROMPT], dtype=mx.uint32)
+    hidden = mx.random.normal((1, len(PROMPT), model.args.hidden_size))
+    fed = loaded.step(target, tokens, hidden, KVCache())
+    assert mx.allclose(fed, loaded.norm(loaded.midlayer(target.embed(tokens), hidden,
+                                                        KVCache())), atol=1e-5)
+    assert mx.allclose(loaded.logits(target, fed), loaded.lm_head(fed), atol=1e-5)
+
+
 def test_dflash_in_the_speculators_layout(model, tmp_path):
     """A reduced vocabulary as d2t / t2d, the target's embedding and head rows carried along
     (dropped on load: ours reads the target's own)."""
@@ -145,8 +170,6 @@ def test_what_the_layouts_cannot_say_is_refused(model, tmp_path):
     base = dict(tree_flatten(made.parameters()))
     cases = [
         (speculators_config(made, "peagle", 3), NotImplementedError, "type 'peagle'"),
-        (speculators_config(made, "eagle3", 3, norm_output=True), NotImplementedError,
-         "norm_output"),
         (speculators_config(made, "dflash", 3, aux_hidden_state_layer_ids=[1, 3],
                             mask_token_id=2, sample_from_anchor=True), NotImplementedError,
          "sample_from_anchor true"),

@@ -50,6 +50,9 @@ class Eagle3Args(DraftArgs):
     norm_before_fc: bool = False  # one norm over all of them (speculators' input_norm)
     norm_before_residual: bool = False  # the residual is the normed hidden (speculators)
     qk_norm: bool = False  # per-head q/k norms (a Qwen3 layer config, speculators)
+    head_norm: bool = True  # the final norm before lm_head (SpecForge's norm_output)
+    feed_normed: bool = False  # the normed state fed back too ("Eagle 3.1", speculators'
+    # norm_output; SpecForge's layout cannot say it: our config.json writes feed_normed)
 
     @classmethod
     def from_config(cls, config: dict, **family: Any) -> Eagle3Args:
@@ -61,9 +64,6 @@ class Eagle3Args(DraftArgs):
             raise NotImplementedError(
                 f"EAGLE-3 drafters of {config['num_hidden_layers']} layers are not supported "
                 "yet (one layer is)")
-        if config.get("norm_output", True) is not True:
-            raise NotImplementedError("EAGLE-3 with norm_output false (logits without the final "
-                                      "norm) is not supported yet")
         eagle = config.get("eagle_config") or {}
         ids = config.get("eagle_aux_hidden_state_layer_ids",
                          eagle.get("eagle_aux_hidden_state_layer_ids"))
@@ -94,6 +94,8 @@ class Eagle3Args(DraftArgs):
             norm_before_fc=bool(config.get("norm_before_fc", False)),
             norm_before_residual=bool(config.get("norm_before_residual", False)),
             qk_norm=bool(config.get("qk_norm", False)),
+            head_norm=bool(config.get("norm_output", True)),
+            feed_normed=bool(config.get("feed_normed", False)),
             **family,
         )
 
@@ -125,9 +127,12 @@ class Eagle3Args(DraftArgs):
         for name in ("target_hidden_size", "verify_block_size"):
             if getattr(self, name) is not None:
                 config[name] = getattr(self, name)
-        for name in ("fc_norm", "norm_before_fc", "norm_before_residual", "qk_norm"):
+        for name in ("fc_norm", "norm_before_fc", "norm_before_residual", "qk_norm",
+                     "feed_normed"):
             if getattr(self, name):
                 config[name] = True
+        if not self.head_norm:
+            config["norm_output"] = False
         return config
 
 
@@ -273,12 +278,18 @@ class Eagle3DraftModel(ChainDrafter):
         return self.fc(features)
 
     def step(self, target: Any, tokens: mx.array, hidden: mx.array, kv: KVCache) -> mx.array:
-        """The layer over pairs (``hidden`` [1, n, H], next ``tokens`` [1, n]): pre-norm
-        outputs [1, n, H], fed back as the next step's hidden; their keys join ``kv``."""
-        return self.midlayer(target.embed(tokens), hidden, kv)
+        """The layer over pairs (``hidden`` [1, n, H], next ``tokens`` [1, n]): the outputs
+        [1, n, H] fed back as the next step's hidden; their keys join ``kv``."""
+        return self.fed_back(self.midlayer(target.embed(tokens), hidden, kv))
+
+    def fed_back(self, out: mx.array) -> mx.array:
+        """What a step hands on: its pre-norm output, or the normed one ("Eagle 3.1")."""
+        return self.norm(out) if self.args.feed_normed else out
 
     def logits(self, target: Any, out: mx.array) -> mx.array:
-        return self.lm_head(self.norm(out))
+        if self.args.head_norm and not self.args.feed_normed:
+            out = self.norm(out)
+        return self.lm_head(out)
 
     def grow_tree(self, target: Any, anchor: mx.array, cache: list[Any], width: int,
                   beam: int) -> tuple[mx.array, mx.array, mx.array]:
@@ -303,7 +314,8 @@ class Eagle3DraftModel(ChainDrafter):
             mask = mx.concatenate([mx.ones((B, base), dtype=mx.bool_), seen], axis=1)
             tokens = ids[pick].astype(mx.uint32)[:, None]
             hidden = state["out"][rows][:, None]
-            out = self.midlayer(target.embed(tokens), hidden, kv, mask, held + d)[:, 0]
+            out = self.fed_back(self.midlayer(target.embed(tokens), hidden, kv, mask,
+                                              held + d))[:, 0]
             state["out"], state["seen"] = out, seen
             return self.logits(target, out)
 

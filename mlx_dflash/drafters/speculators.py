@@ -51,16 +51,14 @@ def read_config(config: dict, where: str) -> dict:
     if vocab is not None and vocab != out.get("vocab_size"):
         out["draft_vocab_size"] = vocab
     if kind == "eagle3":
-        if config.get("norm_output"):
-            raise NotImplementedError(f"{where}: EAGLE-3 with norm_output (post-norm states fed "
-                                      "back, 'Eagle 3.1') is not supported yet")
         ids = config.get("eagle_aux_hidden_state_layer_ids")
         out.update(architectures=["LlamaForCausalLMEagle3"],
                    qk_norm=layer.get("model_type") == "qwen3",
                    target_hidden_size=config.get("target_hidden_size"),
                    norm_before_residual=bool(config.get("norm_before_residual", False)),
                    fc_norm=bool(config.get("fc_norm", False)),
-                   norm_before_fc=bool(config.get("norm_before_fc", False)))
+                   norm_before_fc=bool(config.get("norm_before_fc", False)),
+                   feed_normed=bool(config.get("norm_output", False)))  # "Eagle 3.1"
         if ids:
             out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids]}
         if tokens:
@@ -157,10 +155,13 @@ def write(drafter: Any, target: Any = None, verifier: str | None = None
     }
     weights = dict(tree_flatten(drafter.parameters()))
     if isinstance(drafter, Eagle3DraftModel):
+        if not a.head_norm:
+            raise NotImplementedError("the speculators layout has no EAGLE-3 without the norm "
+                                      "before its head (SpecForge's norm_output false)")
         config.update(eagle_aux_hidden_state_layer_ids=aux,
                       target_hidden_size=a.target_hidden_size,
                       norm_before_residual=a.norm_before_residual, fc_norm=a.fc_norm,
-                      norm_before_fc=a.norm_before_fc, norm_output=False)
+                      norm_before_fc=a.norm_before_fc, norm_output=a.feed_normed)
         weights = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
                    for k, v in weights.items()}
         return config, weights
