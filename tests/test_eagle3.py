@@ -145,8 +145,9 @@ def test_sampled_output_follows_the_target(temperature, top_p, top_k):
     assert_drafter_samples_the_target(small, eagle, 99, temperature, top_p, top_k, block_size=4)
 
 
-def test_a_tree_of_width_one_is_the_chain(model, drafter):
-    """EAGLE-2's dynamic tree with one node a level walks the same path as the greedy chain."""
+def context_of(model, drafter):
+    """(the target, PROMPT as tokens, a function giving a drafter cache that has committed all
+    of PROMPT but its last token, the anchor)."""
     target = Target(model)
     tokens = mx.array([PROMPT], dtype=mx.uint32)
     _, feats = target.hidden_states(tokens, target.make_cache(), drafter.target_layer_ids)
@@ -155,6 +156,13 @@ def test_a_tree_of_width_one_is_the_chain(model, drafter):
         cache = drafter.make_cache()
         drafter.commit(feats[:, :-1], cache, tokens[:, :-1])
         return cache
+
+    return target, tokens, fresh
+
+
+def test_a_tree_of_width_one_is_the_chain(model, drafter):
+    """EAGLE-2's dynamic tree with one node a level walks the same path as the greedy chain."""
+    target, tokens, fresh = context_of(model, drafter)
 
     K = drafter.max_drafts  # a SpecForge config names no block: ours, 8
     chain = drafter.propose(target, tokens[0, -1:], fresh(), K + 1, K, SamplingParams()).drafts
@@ -167,14 +175,7 @@ def test_a_tree_of_width_one_is_the_chain(model, drafter):
 def test_every_tree_node_scores_its_own_path(model, drafter):
     """With several nodes a level, each node's path probability equals the chain run along its
     path alone: a node sees the context and its ancestors, not its cousins, at its depth."""
-    target = Target(model)
-    tokens = mx.array([PROMPT], dtype=mx.uint32)
-    _, feats = target.hidden_states(tokens, target.make_cache(), drafter.target_layer_ids)
-
-    def fresh():
-        cache = drafter.make_cache()
-        drafter.commit(feats[:, :-1], cache, tokens[:, :-1])
-        return cache
+    target, tokens, fresh = context_of(model, drafter)
 
     anchor = tokens[0, -1:]
     nodes, parents, scores = drafter.grow_tree(target, anchor, fresh(), 5, beam=3)

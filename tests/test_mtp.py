@@ -77,6 +77,24 @@ def write_hf_checkpoint(model, mtp, path):
     return path
 
 
+def convert_and_load(hf, out, mtp):
+    """``mlx-dflash convert target HF OUT``, then the target and its MTP drafter from OUT (whose
+    weights must be ``mtp``'s)."""
+    from mlx_lm import load
+
+    make_tokenizer(128)._tokenizer.save_pretrained(str(hf))
+    run = subprocess.run([sys.executable, "-m", "mlx_dflash.cli", "convert", "target", str(hf),
+                          str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Kept the MTP head" in run.stderr
+    target, _ = load(str(out))
+    draft = load_mtp_drafter(out, target)
+    want = dict(tree_flatten(mtp.parameters()))
+    for k, v in tree_flatten(draft.parameters()):
+        assert mx.allclose(v, want[k], atol=1e-6), k
+    return target, draft
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """(the original target, its MTP module, the converted directory)."""
@@ -129,7 +147,6 @@ def test_sampled_with_the_mtp_head_follows_the_target():
 def test_qwen3_5_mtp_head_converted_decodes_as_the_target(tmp_path):
     """Qwen3.5 (dense): the language model under model.language_model.*, the MTP head under
     mtp.*, the config's fields in text_config."""
-    from mlx_lm import load
 
     model = make_family_target("qwen3_5", seed=1)
     mtp = make_mtp(model.language_model)
@@ -146,15 +163,7 @@ def test_qwen3_5_mtp_head_converted_decodes_as_the_target(tmp_path):
     text = {**family_config("qwen3_5", 128, 64, 4, True), "model_type": "qwen3_5_text"}
     (hf / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text,
                                                 "tie_word_embeddings": True}))
-    make_tokenizer(128)._tokenizer.save_pretrained(str(hf))
-    run = subprocess.run([sys.executable, "-m", "mlx_dflash.cli", "convert", "target", str(hf),
-                          str(tmp_path / "mlx")], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    target, _ = load(str(tmp_path / "mlx"))
-    draft = load_mtp_drafter(tmp_path / "mlx", target)
-    want = dict(tree_flatten(mtp.parameters()))
-    for k, v in tree_flatten(draft.parameters()):
-        assert mx.allclose(v, want[k], atol=1e-6), k
+    target, draft = convert_and_load(hf, tmp_path / "mlx", mtp)
     ref = reference(target, PROMPT, 16)[0]
     got = []
     for r in stream_generate(target, draft, make_tokenizer(128), PROMPT, max_tokens=16,
@@ -206,7 +215,6 @@ def deepseek_to_hf(weights, num_experts):
 
 def test_deepseek_v3_mtp_layer_converted_decodes_as_the_target(tmp_path):
     from mlx.utils import tree_map
-    from mlx_lm import load
     from mlx_lm.models import deepseek_v3
 
     mx.random.seed(0)
@@ -227,15 +235,7 @@ def test_deepseek_v3_mtp_layer_converted_decodes_as_the_target(tmp_path):
     hf.mkdir()
     mx.save_safetensors(str(hf / "model.safetensors"), weights)
     (hf / "config.json").write_text(json.dumps(DEEPSEEK))
-    make_tokenizer(128)._tokenizer.save_pretrained(str(hf))
-    run = subprocess.run([sys.executable, "-m", "mlx_dflash.cli", "convert", "target", str(hf),
-                          str(tmp_path / "mlx")], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    target, _ = load(str(tmp_path / "mlx"))
-    draft = load_mtp_drafter(tmp_path / "mlx", target)
-    want = dict(tree_flatten(mtp.parameters()))
-    for k, v in tree_flatten(draft.parameters()):
-        assert mx.allclose(v, want[k], atol=1e-6), k
+    target, draft = convert_and_load(hf, tmp_path / "mlx", mtp)
     # a prompt the random target does not end at once
     prompt = next(p for p in ([7, 8, 9, 3], [11, 12, 13, 14], [40, 41, 42], [3, 4, 5], [20, 21])
                   if len(reference(target, p, 16)[0]) > 8)
