@@ -296,3 +296,53 @@ def test_malformed_checkpoints_are_refused_by_name(model, drafter, tmp_path):
     with pytest.raises(DrafterMismatchError, match="hidden_size 64"):
         load_drafter(write_specforge(made, model, tmp_path / "ok"), model=wide)
     assert np.all(np.array(drafter.vocab_ids) % 2 == 0)
+
+
+# -- training: the training-time test ------------------------------------------------------------
+def test_training_logits_are_the_chain_drafted_along_the_true_tokens(model, drafter):
+    """Each block's teacher-forced training logits equal drafting's: the chain run from the
+    block's anchor, fed the true tokens (so training optimises what decoding runs)."""
+    from mlx_dflash.train.recipe import block_inputs
+
+    target = Target(model)
+    seq = PROMPT + [40, 41, 42, 43, 44, 45]
+    tokens = mx.array([seq], dtype=mx.uint32)
+    _, feats = target.hidden_states(tokens, target.make_cache(), drafter.target_layer_ids)
+    anchors = np.array([3, 6, 10])
+    n = 4
+    blocks, labels, _ = block_inputs(np.array(seq), anchors, n + 1, 2)
+    prev = np.concatenate([np.array(seq)[anchors][:, None], labels[:, :-1]], axis=1)
+    got, _ = drafter.train_logits(target, feats[:, :-1], mx.array(blocks), mx.array(anchors),
+                                  mx.array(prev), tokens)
+    for b, a in enumerate(anchors.tolist()):
+        cache = drafter.make_cache()
+        drafter.commit(feats[:, :a], cache, tokens[:, :a])
+        out, _ = drafter.first_pass(target, tokens[0, a : a + 1], cache)
+        for j in range(n):
+            want = drafter.logits(target, out[:, -1])[0]
+            assert mx.allclose(got[b, j], want, atol=1e-4), (a, j)
+            out = drafter.step(target, tokens[:, a + 1 + j : a + 2 + j], out, cache[0])
+
+
+def test_an_eagle3_drafter_trains_on_the_feature_store(tmp_path):
+    from test_train import _tiny_store
+
+    from mlx_dflash.train.loop import TrainConfig, train
+
+    model, _, _ = _tiny_store(tmp_path)
+    config = TrainConfig(store_dir=str(tmp_path / "store"), out_dir=str(tmp_path / "run"),
+                         family="eagle3", block_size=4, num_layers=1, mask_token_id=2,
+                         draft_vocab_size=40, learning_rate=3e-3, epochs=8, grad_accum=2,
+                         val_fraction=0.1)
+    train(model, config, progress=False)
+    log = [json.loads(line) for line in open(tmp_path / "run" / "train_log.jsonl")]
+    assert len(log[0]["acc"]) == 3  # three drafts a chain
+    first = np.mean([r["loss"] for r in log[:4]])
+    assert np.mean([r["loss"] for r in log[-4:]]) < 0.8 * first
+    loaded = load_drafter(tmp_path / "run" / "checkpoint", model=model)
+    assert isinstance(loaded, Eagle3DraftModel) and loaded.args.draft_vocab_size == 40
+    got = []
+    for r in stream_generate(model, loaded, make_tokenizer(64, eos_id=64), [5, 8, 10],
+                             max_tokens=16, copy_drafts=False):
+        got += r.tokens
+    assert got == reference(model, [5, 8, 10], 16, stop_ids=(64,))[0]

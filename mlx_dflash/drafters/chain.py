@@ -49,6 +49,10 @@ class ChainDrafter(nn.Module):
         return self.args.target_layer_ids
 
     @property
+    def mask_token_id(self) -> int:  # no mask slots; the trainer's batches read it
+        return self.args.mask_token_id
+
+    @property
     def has_confidence(self) -> bool:
         return False
 

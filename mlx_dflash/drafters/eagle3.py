@@ -214,13 +214,84 @@ class Eagle3DraftModel(ChainDrafter):
     family = "eagle3"
     args_class: ClassVar[type[DraftArgs]] = Eagle3Args
     own_head = True  # its lm_head is its own (over the draft vocabulary), kept on load
-    train_gamma: ClassVar[float] = 7.0
     train_aux_weight: ClassVar[float] = 0.0
+
+    train_gamma: ClassVar[float] = 4.48  # position k weighs exp(-k/4.48) = 0.8^k, as SpecForge
 
     @classmethod
     def train_fields(cls, options: Any) -> dict:
-        raise ValueError("EAGLE-3 drafters are not trained by this package yet (it loads and "
-                         "decodes them: train with SpecForge or speculators)")
+        if options.num_layers not in (None, 1):
+            raise ValueError("an EAGLE-3 drafter has one layer (--layers 1)")
+        return {}
+
+    def aux_loss(self, aux: Any, labels: mx.array, weights: mx.array, tv: Any) -> None:
+        return None
+
+    def val_metrics(self, logits: mx.array, aux: Any, labels: Any, valid: Any) -> tuple:
+        import numpy as np
+
+        return np.array(mx.argmax(logits, axis=-1)), {}
+
+    def train_logits(self, target: Any, features: mx.array, blocks: mx.array,
+                     anchors: mx.array, prev: mx.array, tokens: mx.array | None = None
+                     ) -> tuple[mx.array, None]:
+        """Training-time test (SpecForge's unrolled objective): logits [N, n, V'] of each
+        block's chain, teacher-forced. Step 0 runs every pair (features t, token t + 1) of the
+        sequences ``tokens`` [G, T] at once, causally; a block anchored at a starts at pair
+        a - 1, and its step j (input token ``prev[:, j]``, the state step j - 1 handed on, at
+        position a - 1 + j) attends to step 0's keys up to a - 1 and its own steps' keys, as
+        drafting does."""
+        if tokens is None:
+            raise ValueError("EAGLE-3 training reads the sequences' tokens")
+        G, L = features.shape[:2]
+        seq = mx.arange(anchors.shape[0]) // (anchors.shape[0] // G)  # each block's sequence
+        kv = KVCache()
+        out0 = self.midlayer(target.embed(tokens[:, 1 : L + 1]), self.fuse(features), kv)
+        keys, values = kv.keys[..., :L, :][seq], kv.values[..., :L, :][seq]  # [N, kvh, L, hd]
+        idx = anchors - 1
+        h = self.fed_back(out0[seq, idx])
+        logits, own = [self.logits(target, h)], []
+        for j in range(1, prev.shape[1]):
+            h = self.fed_back(self._chain_step(target.embed(prev[:, j]), h, keys, values,
+                                               idx, j, own))
+            logits.append(self.logits(target, h))
+        return mx.stack(logits, axis=1), None
+
+    def _chain_step(self, embeds: mx.array, hidden: mx.array, keys: mx.array,
+                    values: mx.array, idx: mx.array, j: int, own: list) -> mx.array:
+        """One teacher-forced step for N blocks ([N, H] in and out): the context's keys up to
+        each block's ``idx``, and the block's own earlier steps' keys (``own``, grown here)."""
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        normed = layer.hidden_norm(hidden)
+        residual = normed if layer.norm_before_residual else hidden
+        x = mx.concatenate([layer.input_layernorm(embeds), normed], axis=-1)[:, None]
+        q = attn._heads(attn.q_proj(x), attn.n_heads)  # [N, heads, 1, hd]
+        k = attn._heads(attn.k_proj(x), attn.n_kv_heads)
+        v = attn._heads(attn.v_proj(x), attn.n_kv_heads)
+        if "q_norm" in attn:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = attn.rope(q, offset=idx + j), attn.rope(k, offset=idx + j)
+        own.append((k, v))
+        rep = attn.n_heads // attn.n_kv_heads
+
+        def heads(a: mx.array) -> mx.array:
+            return mx.repeat(a, rep, axis=1) if rep > 1 else a
+
+        q = q * attn.scale
+        L = keys.shape[2]
+        ctx = q @ heads(keys).swapaxes(-1, -2)  # [N, heads, 1, L]
+        ctx = mx.where((mx.arange(L)[None] <= idx[:, None])[:, None, None], ctx,
+                       mx.array(-mx.inf, ctx.dtype))
+        mine = mx.concatenate([(q * heads(ki)).sum(-1, keepdims=True) for ki, _ in own],
+                              axis=-1)  # [N, heads, 1, j]
+        w = mx.softmax(mx.concatenate([ctx, mine], axis=-1).astype(mx.float32), axis=-1)
+        w = w.astype(q.dtype)
+        out = w[..., :L] @ heads(values)
+        for i, (_, vi) in enumerate(own):
+            out = out + w[..., L + i : L + i + 1] * heads(vi)
+        out = attn.o_proj(out.transpose(0, 2, 1, 3).reshape(x.shape[0], 1, -1))[:, 0]
+        h = residual + out
+        return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def __init__(self, args: Eagle3Args):
         super().__init__()
@@ -255,9 +326,10 @@ class Eagle3DraftModel(ChainDrafter):
         return self._memo.ids
 
     def set_draft_vocab(self, ids: mx.array) -> None:
-        """Use the target ids ``ids`` (ascending) as the draft vocabulary: d2t and t2d from them
-        (the head must then have a row per id)."""
-        ids = ids.astype(mx.int64)
+        """Use the target ids ``ids`` as the draft vocabulary, in ascending order (d2t's
+        offsets need it): d2t and t2d from them, for a head of a row per id (its rows follow
+        that order: set before training)."""
+        ids = mx.sort(ids.astype(mx.int64))
         self.args.draft_vocab_size = int(ids.shape[0])
         self.d2t = ids - mx.arange(ids.shape[0], dtype=mx.int64)
         self.t2d = mx.zeros((self.args.vocab_size,), dtype=mx.bool_)

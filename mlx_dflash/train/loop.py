@@ -35,6 +35,7 @@ from .recipe import (
     position_weights,
     sample_anchors,
     step_gradients,
+    train_logits,
 )
 from .store import FeatureStore
 
@@ -120,7 +121,7 @@ def new_drafter(
     drafter = family(args)
     if vocab is not None:
         drafter.set_draft_vocab(vocab)
-    if config.init_from_target:
+    if config.init_from_target and "layers" in drafter:  # EAGLE-3's layer reads 2H: starts fresh
         init_from_target(drafter, target)
     mx.eval(drafter.parameters())
     return drafter
@@ -226,7 +227,8 @@ class Batches:
         features = mx.array(np.asarray(seq.features[: T - 1]))[None].astype(mx.float32)
         return Batch(features * self.scale, mx.array(blocks[:, : self.width]),
                      mx.array(anchors), mx.array(self.to_draft[labels]), mx.array(valid),
-                     mx.array(topk_ids), mx.array(topk_probs), mx.array(prev))
+                     mx.array(topk_ids), mx.array(topk_probs), mx.array(prev),
+                     mx.array(np.asarray(tokens, dtype=np.int32))[None])
 
 
 def _choose_vocab(store, train_idx, val_idx, target, size: int, out: Path) -> mx.array:
@@ -456,8 +458,7 @@ def validate(drafter, target: Target, batch_of: Batches, idx, config: TrainConfi
         batch = batch_of(int(i), gen, num_anchors=32)
         if batch is None:
             continue
-        logits, aux = drafter.train_logits(target, batch.features, batch.blocks, batch.anchors,
-                                           batch.prev)
+        logits, aux = train_logits(drafter, target, batch)
         valid = np.array(batch.valid)
         labels = np.array(batch.labels)
         pred, found = drafter.val_metrics(logits, aux, labels, valid)

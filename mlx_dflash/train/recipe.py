@@ -73,6 +73,7 @@ class Batch(NamedTuple):
     topk_ids: mx.array  # [N, n, k] the target's top-k (drafter indices, -1: outside)
     topk_probs: mx.array  # [N, n, k] and their probabilities
     prev: mx.array  # [N, n] target ids of the token before each label (teacher forcing)
+    tokens: mx.array | None = None  # [G, T] the sequences' tokens (a chain drafter reads them)
 
 
 def collate(batches: list[Batch]) -> Batch:
@@ -99,11 +100,14 @@ def collate(batches: list[Batch]) -> Batch:
     for b in batches:
         fields["features"].append(mx.pad(b.features, [(0, 0), (0, T - b.features.shape[1]),
                                                       (0, 0)]))
+        if b.tokens is not None:
+            fields["tokens"].append(mx.pad(b.tokens, [(0, 0), (0, T + 1 - b.tokens.shape[1])]))
         for name in ("blocks", "anchors", "topk_ids", "topk_probs", "prev"):
             fields[name].append(rows(getattr(b, name)))
         fields["labels"].append(rows(b.labels, mx.array(-1)))
         fields["valid"].append(rows(b.valid, mx.array(False)))
-    return Batch(*(mx.concatenate(fields[name], axis=0) for name in Batch._fields))
+    return Batch(*(mx.concatenate(fields[name], axis=0) if fields[name] else None
+                   for name in Batch._fields))
 
 
 # Collating sequences into one batch pays where each brings few block rows (DSpark's 16 anchors
@@ -128,6 +132,13 @@ def step_gradients(loss_and_grad: Any, batches: list[Batch]) -> tuple[tuple, Any
     return (loss, acc), grads
 
 
+def train_logits(drafter: DFlashDraftModel, target: Target, batch: Batch) -> tuple:
+    """The drafter's training logits of ``batch`` (a chain drafter also reads the tokens)."""
+    extra = {"tokens": batch.tokens} if getattr(drafter, "chained", False) else {}
+    return drafter.train_logits(target, batch.features, batch.blocks, batch.anchors,
+                                batch.prev, **extra)
+
+
 def block_loss(
     drafter: DFlashDraftModel,
     target: Target,
@@ -146,8 +157,7 @@ def block_loss(
     term knows the target's top-k only and treats the rest of its mass as unknown:
     ``0.5 * (sum_topk |q - p| + (1 - sum_topk q))``.
     """
-    logits, aux = drafter.train_logits(target, batch.features, batch.blocks, batch.anchors,
-                                       batch.prev)
+    logits, aux = train_logits(drafter, target, batch)
     logits = logits.astype(mx.float32)
     labels, valid = batch.labels, batch.valid
     w = weights[None, :] * valid
