@@ -144,24 +144,42 @@ def test_sampled_with_the_mtp_head_follows_the_target():
     assert_drafter_samples_the_target(small, mtp, 11, 0.9, block_size=3)
 
 
-def test_qwen3_5_mtp_head_converted_decodes_as_the_target(tmp_path):
-    """Qwen3.5 (dense): the language model under model.language_model.*, the MTP head under
-    mtp.*, the config's fields in text_config."""
+def fused_experts(weights):
+    """Qwen3.5 MoE's Hugging Face layout of the experts: gate and up fused, [E, 2I, H]."""
+    out = {}
+    for k, v in weights.items():
+        if ".switch_mlp.gate_proj." in k:
+            up = weights[k.replace("gate_proj", "up_proj")]
+            out[k.replace("switch_mlp.gate_proj.weight", "experts.gate_up_proj")] = \
+                mx.concatenate([v, up], axis=-2)
+        elif ".switch_mlp.down_proj." in k:
+            out[k.replace("switch_mlp.down_proj.weight", "experts.down_proj")] = v
+        elif ".switch_mlp.up_proj." not in k:
+            out[k] = v
+    return out
 
-    model = make_family_target("qwen3_5", seed=1)
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_mtp_head_converted_decodes_as_the_target(tmp_path, model_type):
+    """Qwen3.5, dense and MoE: the language model under model.language_model.*, the MTP head
+    under mtp.*, the config's fields in text_config, an MoE's experts fused."""
+    model = make_family_target(model_type, seed=1)
     mtp = make_mtp(model.language_model)
+    def hf_name(name, value):  # the experts stay stacked here: fused_experts fuses them
+        return {name: value} if ".switch_mlp." in name else to_hf(name, value, 0)
+
     weights = {}
     for k, v in tree_flatten(model.parameters()):
         name = k.replace("language_model.model.", "model.language_model.", 1)
-        weights.update(to_hf(name.replace("language_model.lm_head", "lm_head"), v, 0))
+        weights.update(hf_name(name.replace("language_model.lm_head", "lm_head"), v))
     for k, v in tree_flatten(mtp.parameters()):
         if k != "final_norm.weight":
-            weights.update(to_hf("mtp." + k, v, 0))
+            weights.update(hf_name("mtp." + k, v))
     hf = tmp_path / "hf"
     hf.mkdir()
-    mx.save_safetensors(str(hf / "model.safetensors"), weights)
-    text = {**family_config("qwen3_5", 128, 64, 4, True), "model_type": "qwen3_5_text"}
-    (hf / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text,
+    mx.save_safetensors(str(hf / "model.safetensors"), fused_experts(weights))
+    text = {**family_config(model_type, 128, 64, 4, True), "model_type": f"{model_type}_text"}
+    (hf / "config.json").write_text(json.dumps({"model_type": model_type, "text_config": text,
                                                 "tie_word_embeddings": True}))
     target, draft = convert_and_load(hf, tmp_path / "mlx", mtp)
     ref = reference(target, PROMPT, 16)[0]
@@ -178,8 +196,6 @@ def test_targets_without_an_mtp_head_are_refused(converted, tmp_path):
         load_mtp_drafter(tmp_path, model)
     with pytest.raises(NotImplementedError, match="model type 'qwen3'"):
         build(make_target("qwen3"))
-    with pytest.raises(NotImplementedError, match="Qwen3.5 MoE"):
-        build(make_family_target("qwen3_5_moe").language_model)
     mx.save_safetensors(str(tmp_path / "mtp.safetensors"), {"fc.weight": mx.zeros((64, 128))})
     with pytest.raises(ValueError, match="does not fit a qwen3_next MTP module: lacks"):
         load_mtp_drafter(tmp_path, model)

@@ -3,7 +3,8 @@
 mlx-lm's conversion drops them (Qwen3-Next's ``mtp.*``, DeepSeek-V3's ``model.layers.N.*``);
 this reads them from the checkpoint's safetensors (only the shards that hold them, by the
 index), sanitizes them as mlx-lm sanitizes the model's own layers (Qwen3-Next: the experts
-stacked into ``switch_mlp``, the zero-centred norms + 1; DeepSeek-V3: mlx-lm's own sanitize of
+stacked (or, Qwen3.5 MoE, split) into ``switch_mlp``, the zero-centred norms + 1; DeepSeek-V3:
+mlx-lm's own sanitize of
 the layer) and writes ``mtp.safetensors`` without the prefix (drafters/mtp.py reads it).
 """
 
@@ -37,13 +38,14 @@ def extract_mtp(src: str | Path, out: str | Path, dtype: str | None = None) -> i
                         if k.startswith(prefix)})
     if not weights:
         return 0
-    if model_type not in FAMILIES or model_type == "qwen3_5" and config.get("num_experts"):
+    if model_type not in FAMILIES:
         raise NotImplementedError(f"{src}: keeping the MTP weights of model type '{model_type}' "
                                   f"is not supported yet ({', '.join(FAMILIES)} are)")
     if model_type == "deepseek_v3":
         weights = _deepseek_layer(weights, config)
     else:
         _stack_experts(weights, config.get("num_experts", 0))
+        _split_fused_experts(weights)
         for k, v in weights.items():
             if (k.endswith(_ZERO_CENTRED) or k == "norm.weight") and v.ndim == 1:
                 weights[k] = v + 1.0
@@ -78,6 +80,19 @@ def _shards(src: Path, prefix: str) -> list[Path]:
         weight_map = json.loads(index.read_text()).get("weight_map", {})
         return sorted({src / f for k, f in weight_map.items() if k.startswith(prefix)})
     return sorted(src.glob("*.safetensors"))
+
+
+def _split_fused_experts(weights: dict[str, mx.array]) -> None:
+    """Qwen3.5 MoE stores its experts fused (``mlp.experts.gate_up_proj`` [E, 2I, H] and
+    ``mlp.experts.down_proj``): as mlx-lm's ``switch_mlp`` (its qwen3_5_moe sanitize)."""
+    for key in [k for k in weights if k.endswith(".mlp.experts.gate_up_proj")]:
+        prefix = key[: -len(".experts.gate_up_proj")]
+        gate_up = weights.pop(key)
+        mid = gate_up.shape[-2] // 2
+        weights[f"{prefix}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+        weights[f"{prefix}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+        weights[f"{prefix}.switch_mlp.down_proj.weight"] = weights.pop(
+            f"{prefix}.experts.down_proj")
 
 
 def _stack_experts(weights: dict[str, mx.array], num_experts: int) -> None:

@@ -27,7 +27,8 @@ from mlx_lm.models.cache import KVCache
 from .chain import ChainDrafter
 
 SIDECAR = "mtp.safetensors"
-FAMILIES = ("qwen3_next", "qwen3_5", "deepseek_v3")  # model types whose MTP head is read
+# model types whose MTP head is read
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v3")
 DEFAULT_BLOCK = 4  # drafts per cycle + 1; Qwen's own serving recipes draft 2-3 with MTP
 
 
@@ -142,10 +143,9 @@ def family_of(text_model: nn.Module) -> str:
 def build(text_model: nn.Module, block_size: int = DEFAULT_BLOCK) -> MTPDraftModel:
     """The (untrained) MTP module of ``text_model``'s family."""
     family = family_of(text_model)
-    if family not in BUILDERS or getattr(text_model.args, "num_experts", 0) and family == "qwen3_5":
-        what = "Qwen3.5 MoE" if family == "qwen3_5" else f"model type '{family}'"
-        raise NotImplementedError(f"MTP drafters of {what} are not supported yet (Qwen3-Next, "
-                                  "dense Qwen3.5 and DeepSeek-V3 are)")
+    if family not in BUILDERS:
+        raise NotImplementedError(f"MTP drafters of model type '{family}' are not supported "
+                                  "yet (Qwen3-Next, Qwen3.5 and DeepSeek-V3 are)")
     return BUILDERS[family](text_model, block_size)
 
 
