@@ -6,8 +6,10 @@ of the drafter pairs the fused target features h_t with the embedding of the nex
 x_{t+1} (the target's embedding): the layer's input is ``[input_layernorm(embed) ;
 hidden_norm(h)]`` (2H wide, the embedding first), the residual is h, and
 ``lm_head(norm(out))`` over its own (possibly reduced) vocabulary predicts x_{t+2}. A chain of
-drafts feeds each step's pre-norm output back as the next step's h, with the drafted token as
-its next token; its own KV cache holds the committed positions.
+drafts feeds each step's pre-norm output back as the next step's h (its normed output in
+"Eagle 3.1"), with the drafted token as its next token; its own KV cache holds the committed
+positions. Trees grow EAGLE-2's way (``grow_tree``); training unrolls the chain as SpecForge's
+training-time test does (``train_logits``).
 
 Draft ids map to target ids as ``draft + d2t[draft]``; ``t2d`` marks the target ids the draft
 vocabulary holds (both kept to write the checkpoint back).
@@ -23,6 +25,7 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
@@ -214,9 +217,8 @@ class Eagle3DraftModel(ChainDrafter):
     family = "eagle3"
     args_class: ClassVar[type[DraftArgs]] = Eagle3Args
     own_head = True  # its lm_head is its own (over the draft vocabulary), kept on load
-    train_aux_weight: ClassVar[float] = 0.0
-
     train_gamma: ClassVar[float] = 4.48  # position k weighs exp(-k/4.48) = 0.8^k, as SpecForge
+    train_aux_weight: ClassVar[float] = 0.0
 
     @classmethod
     def train_fields(cls, options: Any) -> dict:
@@ -228,8 +230,6 @@ class Eagle3DraftModel(ChainDrafter):
         return None
 
     def val_metrics(self, logits: mx.array, aux: Any, labels: Any, valid: Any) -> tuple:
-        import numpy as np
-
         return np.array(mx.argmax(logits, axis=-1)), {}
 
     def train_logits(self, target: Any, features: mx.array, blocks: mx.array,
