@@ -213,3 +213,18 @@ def test_convert_exports_load_back(model, tmp_path):
     assert spec.returncode == 0, spec.stderr
     loaded = load_drafter(tmp_path / "spec", model=model)
     assert same_weights(made, loaded)
+
+
+def test_speculators_eagle3_and_dflash_sample_in_distribution(tmp_path):
+    """Both with a reduced vocabulary (ids 0-5 of 8, as d2t / t2d), written in the speculators
+    layout and loaded back: sampled output follows the target's exact joint."""
+    small = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)
+    eagle = make_eagle3(small, vocab_ids=list(range(6)), block_size=4, layer_ids=(0, 1, 1),
+                        seed=7)
+    dflash = make_drafter(small, block_size=4, layer_ids=(0, 1), seed=7, draft_vocab_size=6)
+    dflash.set_draft_vocab(mx.arange(6))
+    for name, made in (("eagle3", eagle), ("dflash", dflash)):
+        config, weights = write(made, small)
+        loaded = load_drafter(save(tmp_path / name, config, weights), model=small)
+        assert same_weights(made, loaded) and loaded.vocab_ids.tolist() == list(range(6))
+        assert_drafter_samples_the_target(small, loaded, 13, 1.0, block_size=4)
