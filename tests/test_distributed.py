@@ -160,8 +160,9 @@ def test_mlx_launch_runs_chat_with_rank_0_reading(saved_pair):
 
 
 def test_mlx_launch_runs_serve_with_rank_0_answering(saved_pair, tmp_path):
-    """``mlx.launch ... mlx-dflash serve``: rank 0 answers over HTTP what one process
-    answers, and Ctrl-C stops every rank; what does not run across machines is refused."""
+    """``mlx.launch ... mlx-dflash serve`` with two models: rank 0 answers over HTTP what one
+    process answers, switching models as requests ask, and Ctrl-C stops every rank; what does
+    not run across machines is refused."""
     import socket
 
     import httpx
@@ -171,7 +172,8 @@ def test_mlx_launch_runs_serve_with_rank_0_answering(saved_pair, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([*MLX_LAUNCH, *cli("serve", *saved_pair, "--port", str(port))],
+    two = [*saved_pair, *saved_pair, "--model-name", "a", "--model-name", "b"]  # two models
+    proc = subprocess.Popen([*MLX_LAUNCH, *cli("serve", *two, "--port", str(port))],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -182,19 +184,19 @@ def test_mlx_launch_runs_serve_with_rank_0_answering(saved_pair, tmp_path):
                 break
             except httpx.TransportError:
                 time.sleep(0.25)
-        body = {"model": saved_pair[1], "prompt": "w5 w6 w7", "max_tokens": 12, "temperature": 0}
-        got = [httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
-               for _ in range(2)]
+        body = {"prompt": "w5 w6 w7", "max_tokens": 12, "temperature": 0}
+        got = [httpx.post(f"{url}/v1/completions", json={**body, "model": name},
+                          timeout=120).json() for name in ("a", "a", "b", "a")]
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     model = make_target("qwen3", vocab_size=96)
     want = generate(model, None, make_tokenizer(96), "w5 w6 w7", max_tokens=12)
     assert all("choices" in g for g in got), (got, err[-3000:])
-    assert [g["choices"][0]["text"] for g in got] == [want, want]
+    assert [g["choices"][0]["text"] for g in got] == [want] * 4
     assert got[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the prefix cache
     assert "split across 2 ranks" in err
-    for refused, said in [(["--model", "a", "--model", "b"], "serve one model"),
+    for refused, said in [([*saved_pair, "--model-memory", "1GB"], "--model-memory does not"),
                           ([*saved_pair, "--cache-dir", str(tmp_path)], "--cache-dir does not")]:
         run = run_launched([*MLX_LAUNCH, *cli("serve", *refused)])
         assert said in run.stderr, run.stderr[-2000:]

@@ -108,7 +108,7 @@ def serve(
                           _size("--cache-disk", cache_disk))
     entries = _entries(model, drafter, model_name, models_config)
     if distributed.init() is not None:
-        _across_machines(entries, cache)
+        _across_machines(budget, cache)
     served = []
     for entry in entries:
         name = entry.name or entry.model or DEFAULT_TARGET_NAME
@@ -134,15 +134,16 @@ def serve(
                 timeout_graceful_shutdown=5)
 
 
-def _across_machines(entries: list, cache: Any) -> None:
+def _across_machines(budget: int | None, cache: Any) -> None:
     """Under mlx.launch: refuse what does not run across machines yet, and make the ranks
     sample alike."""
     import mlx.core as mx
 
     from .. import distributed
 
-    if len(entries) > 1:
-        fail("across machines (under mlx.launch) serve one model: give one --model")
+    if budget is not None:  # which model to unload would be decided by each rank's own bytes
+        fail("--model-memory does not run across machines (under mlx.launch): every model "
+             "stays loaded")
     if cache.directory is not None:
         fail("--cache-dir does not run across machines (under mlx.launch): every rank holds "
              "a part of each cache")
