@@ -196,6 +196,7 @@ def test_mlx_launch_runs_serve_with_rank_0_answering(saved_pair, tmp_path):
     assert [g["choices"][0]["text"] for g in got] == [want] * 4
     assert got[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the prefix cache
     assert "split across 2 ranks" in err
+    assert "exited with code" not in err and "was killed" not in err, err[-3000:]  # all stopped
     for refused, said in [([*saved_pair, "--model-memory", "1GB"], "--model-memory does not"),
                           ([*saved_pair, "--cache-dir", str(tmp_path)], "--cache-dir does not")]:
         run = run_launched([*MLX_LAUNCH, *cli("serve", *refused)])

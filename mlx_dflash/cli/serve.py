@@ -152,9 +152,14 @@ def _across_machines(budget: int | None, cache: Any) -> None:
 
 def _follow(worker: Any) -> None:
     """A rank other than 0: run the engine steps rank 0 runs, until it stops serving."""
+    import signal
+
     from .. import distributed
     from ..server.ranks import follow
 
+    # Ctrl-C reaches every rank started from one terminal; this one stops when rank 0 says so
+    # (interrupted between rank 0's two messages, it would leave rank 0 waiting on a dead link).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         follow(worker)
     except Exception as e:  # noqa: BLE001 (any failure ends this rank, saying why)
