@@ -19,9 +19,11 @@ attention and sliding windows, stacked states for recurrent layers). A step:
 With ``tree``, a request that drafts verifies a tree of drafts instead of a chain (tree.py):
 the pass becomes a tree pass for every row (chains and looked-up blocks as trees of width one,
 each row with its own tree mask and depths) and each row keeps its anchor and accepted path.
-``tree="auto"`` grows TREE_MAX nodes per drafting request and verifies, across all requests,
-the nodes that raise the batch's expected committed tokens per second most
-(``schedule.plan_nodes``: one ranking of every request's nodes against the pass's cost).
+The drafting requests' trees grow from one drafter pass (block drafters; a chain drafter
+grows each on its own). ``tree="auto"`` grows TREE_MAX nodes per drafting request and
+verifies, across all requests, the nodes that raise the batch's expected committed tokens per
+second most (``schedule.plan_nodes``: one ranking of every request's nodes against the pass's
+cost).
 
 Requests join and leave between steps without stalling the others. Greedy output equals each
 request's own greedy decode; sampled output follows the target's distribution per request.
@@ -50,7 +52,9 @@ from .cycle import (
 )
 from .decode import GenerationResponse, GenerationStats, TextStream, check_tree, continue_from
 from .drafters import check_fits
-from .drafters.base import Drafter, Proposal, drafting, propose_all, verify_width
+from .drafters.base import (
+    Drafter, Proposal, drafting, grow_trees, propose_all, verify_width,
+)
 from .policy import COPY_DRAFTS, COPY_NGRAM, BlockPolicy
 from .prefix_cache import PrefixCache
 from .prompts import encode_prompt
@@ -58,7 +62,7 @@ from .schedule import (
     cached_batch_costs, kv_bytes_per_position, memory_headroom, plan_batch, plan_nodes,
 )
 from .target import as_target
-from .tree import AUTO, TREE_MAX, LazyTree, target_choices
+from .tree import AUTO, TREE_BEAM, TREE_MAX, LazyTree, select_tree, target_choices
 
 
 @dataclass
@@ -344,8 +348,13 @@ class BatchEngine:
         """The drafting requests' trees (tree mode): ``tree`` nodes each, or TREE_MAX to be
         sized across the batch (tree="auto")."""
         size = TREE_MAX if self.tree == AUTO else self.tree
-        return {i: self.running[i].spec.grow_tree(self.running[i].anchor, size)
-                for i, (K, block, _) in enumerate(plans) if K and not block}
+        growing = [i for i, (K, block, _) in enumerate(plans) if K and not block]
+        rows = [self.running[i] for i in growing]
+        for r in rows:
+            r.spec.catch_up()
+        grown = grow_trees(self.drafter, self.target, [r.anchor for r in rows],
+                           [r.spec.draft_cache for r in rows], self.width, TREE_BEAM)
+        return {i: select_tree(*g, size) for i, g in zip(growing, grown)}
 
     def _size_trees(self, plans: list, trees: dict[int, LazyTree]
                     ) -> tuple[list, dict[int, list[float]]]:

@@ -100,6 +100,39 @@ def test_batched_greedy_trees_equal_each_solo_run(family, monkeypatch):
     assert accepted > 0 and any(side)
 
 
+@pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark", "dspark-gated"])
+def test_one_drafter_pass_grows_each_requests_own_tree(family):
+    """The batch engine grows every drafting request's tree in one drafter pass: each row's
+    candidate nodes, parents and scores are its own ``grow_tree``'s (contexts of different
+    lengths, padded and masked; DSpark's vocabulary reduced)."""
+    from test_dflash2 import make_dflash2
+    from test_dspark import make_dspark
+
+    from mlx_dflash.drafters.base import grow_trees
+    from mlx_dflash.tree import TREE_BEAM
+
+    model = make_target("qwen3", seed=2)
+    target = Target(model, check=False)
+    drafter = {"dflash": lambda: make_drafter(model, block_size=6),
+               "dflash2": lambda: make_dflash2(model),
+               "dspark": lambda: make_dspark(model, vocab=list(range(0, 128, 2))),
+               "dspark-gated": lambda: make_dspark(model, kind="gated")}[family]()
+    contexts = [[5, 9, 14, 3, 9, 14, 22, 8, 11, 4, 6], [7, 8], [3, 4, 5, 6, 30, 31]]
+    anchors = [mx.array([a], dtype=mx.uint32) for a in (7, 9, 12)]
+    caches = []
+    for context in contexts:
+        tokens = mx.array([context], dtype=mx.uint32)
+        _, features = target.hidden_states(tokens, target.make_cache(),
+                                           drafter.target_layer_ids)
+        caches.append(drafter.make_cache())
+        drafter.commit(features, caches[-1], tokens)
+    together = grow_trees(drafter, target, anchors, caches, 8, TREE_BEAM)
+    for got, anchor, cache in zip(together, anchors, caches):
+        want = drafter.grow_tree(target, anchor, cache, 8, TREE_BEAM)
+        assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+        assert mx.allclose(got[2], want[2], atol=1e-4).item()
+
+
 def test_batched_trees_beside_copy_drafts_and_a_real_drafter():
     model = make_target("qwen3", seed=2)
     outputs, reasons, _ = run_engine(model, make_drafter(model, block_size=6), PROMPTS,

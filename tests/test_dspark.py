@@ -66,6 +66,40 @@ def test_greedy_dspark_is_lossless_and_walk_matches_training(kind, reduced, cand
     assert mx.allclose(mx.sigmoid(conf[0]), proposal.confidence, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+def test_an_anchor_only_slot_and_a_markov_table_over_target_ids(kind):
+    """speculators' earlier DSpark heads: the anchor slot is the anchor's alone (5 slots, 4
+    drafts) and, with a reduced vocabulary, W1 has a row per target id. Lossless, and the
+    greedy walk is what teacher forcing scores."""
+    model = make_target("qwen3", seed=4)
+    vocab = np.random.default_rng(1).permutation(128)[:50].tolist()
+    drafter = make_dspark(model, kind, vocab, sample_from_anchor=False,
+                          markov_w1_target_rows=True)
+    assert drafter.markov_head.markov_w1.weight.shape[0] == 128 and drafter.max_drafts == 4
+    tok = make_tokenizer(128)
+    for prompt in ([5], list(range(3, 40))):
+        got = []
+        for r in stream_generate(model, drafter, tok, prompt, max_tokens=24, block_size=9,
+                                 copy_drafts=False):
+            got += r.tokens
+            assert r.stats.block_size == 5
+        assert got == reference(model, prompt, 24)[0]
+    target = Target(model)
+    tokens = mx.array([[5, 6, 7, 8, 9, 10, 11]])
+    _, feats = target.hidden_states(tokens, None, drafter.target_layer_ids)
+    cache = drafter.make_cache()
+    drafter.commit(feats[:, :6], cache)
+    proposal = drafter.propose(target, mx.array([11], dtype=mx.uint32), cache, 5, 4,
+                               SamplingParams())
+    block = mx.array([[11] + [drafter.mask_token_id] * 4])
+    prev = mx.concatenate([mx.array([11]), proposal.drafts[:-1]])[None]
+    logits, conf = drafter.train_logits(target, feats[:, :6], block, mx.array([6]), prev)
+    assert logits.shape[1] == 4
+    assert drafter.vocab_ids[mx.argmax(logits[0], axis=-1)].tolist() == \
+        proposal.drafts.tolist()
+    assert mx.allclose(mx.sigmoid(conf[0]), proposal.confidence, atol=1e-5)
+
+
 @pytest.mark.parametrize("candidates,reduced", [(0, False), (2, False), (3, True)])
 def test_sampled_dspark_follows_the_target(candidates, reduced):
     model = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)

@@ -165,6 +165,60 @@ def test_dspark_in_the_speculators_layout_samples_in_distribution(tmp_path):
     assert_drafter_samples_the_target(small, loaded, 5, 0.8, block_size=4)
 
 
+def test_dspark_heads_with_an_anchor_only_slot_and_a_reduced_vocabulary(model, tmp_path):
+    """speculators' earlier DSpark heads name no sample_from_anchor: a block of 5 slots
+    proposing 4 tokens keeps its first slot for the anchor; with a reduced vocabulary their
+    Markov W1 has a row per target id. Ours (a row per draft id and one for the rest),
+    written in that layout and read back, drafts the same tokens, also after an anchor
+    outside the vocabulary, and decodes losslessly, greedy and sampled."""
+    from test_dspark import make_dspark
+
+    from mlx_dflash.accept import SamplingParams
+
+    vocab = list(range(0, 128, 2))
+    made = make_dspark(model, "gated", vocab, sample_from_anchor=False)
+    config, weights = write(made, model)
+    assert config["block_size"] == 5 and config["sample_from_anchor"] is False
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert weights["markov_head.markov_w1.weight"].shape[0] == 128  # a row per target id
+    del config["sample_from_anchor"]  # as the earlier heads: the block settles it
+    loaded = load_drafter(save(tmp_path / "ds", config, weights), model=model)
+    assert loaded.max_drafts == 4 and loaded.args.markov_w1_target_rows
+    target = Target(model)
+    tokens = mx.array([PROMPT])
+    _, feats = target.hidden_states(tokens, None, made.target_layer_ids)
+    for anchor in (6, 7):  # in the draft vocabulary, and outside it
+        proposals = []
+        for d in (made, loaded):
+            cache = d.make_cache()
+            d.commit(feats, cache, tokens)
+            proposals.append(d.propose(target, mx.array([anchor], dtype=mx.uint32), cache, 5,
+                                       4, SamplingParams()))
+        ours, theirs = proposals
+        assert ours.drafts.tolist() == theirs.drafts.tolist(), anchor
+        # the confidence head reads W1's row of each previous token, the anchor's included
+        assert mx.allclose(ours.confidence, theirs.confidence, atol=1e-5).item(), anchor
+    assert greedy(model, loaded) == reference(model, PROMPT, 24)[0]
+    for tokens_, block, anchor_first in [(5, 5, True), (None, 5, False)]:
+        c = speculators_config(made, "dspark", tokens_, aux_hidden_state_layer_ids=[1, 3],
+                               mask_token_id=2, block_size=block, markov_rank=16)
+        assert load_drafter(save(tmp_path / f"c{tokens_}", c, dict(tree_flatten(
+            make_dspark(model, sample_from_anchor=anchor_first).parameters()))),
+            model=model).max_drafts == (5 if anchor_first else 4)
+
+
+def test_reduced_vocabulary_dspark_samples_in_distribution_through_the_layout(tmp_path):
+    small = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)
+    made = make_drafter(small, block_size=4, layer_ids=(0, 1), seed=7, cls=DSparkDraftModel,
+                        markov_rank=8, enable_confidence_head=True, draft_vocab_size=6,
+                        sample_from_anchor=False)
+    made.set_draft_vocab(mx.arange(6))
+    config, weights = write(made, small)
+    loaded = load_drafter(save(tmp_path / "ds", config, weights), model=small)
+    assert loaded.args.markov_w1_target_rows and loaded.max_drafts == 3
+    assert_drafter_samples_the_target(small, loaded, 5, 0.8, block_size=4)
+
+
 def test_what_the_layouts_cannot_say_is_refused(model, tmp_path):
     made = make_eagle3(model)
     base = dict(tree_flatten(made.parameters()))
@@ -174,9 +228,9 @@ def test_what_the_layouts_cannot_say_is_refused(model, tmp_path):
                             mask_token_id=2, sample_from_anchor=True), NotImplementedError,
          "sample_from_anchor true"),
         (speculators_config(made, "dflash", 3), ValueError, "needs aux_hidden_state_layer_ids"),
-        ({**speculators_config(made, "dspark", 3, aux_hidden_state_layer_ids=[1, 3],
-                               mask_token_id=2), "draft_vocab_size": 64},
-         NotImplementedError, "reduced vocabulary"),
+        (speculators_config(made, "dspark", 3, aux_hidden_state_layer_ids=[1, 3],
+                            mask_token_id=2, block_size=5), ValueError,
+         "a dspark block of 5 slots cannot propose 3 speculative_tokens"),
     ]
     for i, (config, error, said) in enumerate(cases):
         with pytest.raises(error, match=said):

@@ -80,6 +80,15 @@ def propose_all(drafter: Drafter, target: Any, anchors: list[mx.array], caches: 
             for a, c, K, p in zip(anchors, caches, counts, params)]
 
 
+def grow_trees(drafter: Any, target: Any, anchors: list[mx.array], caches: list[list[Any]],
+               width: int, beam: int) -> list[tuple[mx.array, mx.array, mx.array]]:
+    """Tree candidates (tree.grow_tree's, lazy) for several requests: one batched pass where
+    the drafter has one (and there is more than one request), else one ``grow_tree`` each."""
+    if len(anchors) > 1 and hasattr(drafter, "grow_trees"):
+        return drafter.grow_trees(target, mx.concatenate(anchors), caches, width, beam)
+    return [drafter.grow_tree(target, a, c, width, beam) for a, c in zip(anchors, caches)]
+
+
 def verify_width(drafter: Drafter | None, block_size: int | None = None,
                  schedule: bool = True) -> int:
     """Most tokens one cycle verifies (the anchor and its drafts): ``block_size`` if given;

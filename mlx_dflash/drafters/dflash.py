@@ -212,12 +212,29 @@ class DFlashDraftModel(nn.Module):
 
     def grow_tree(self, target: Any, anchor: mx.array, cache: list[Any], width: int,
                   beam: int) -> tuple[mx.array, mx.array, mx.array]:
-        """A tree's candidate nodes below ``anchor`` (tree.grow_tree, lazy): the block pass
-        scores every position on its own, so each position's best candidates may follow any
-        node of the depth before."""
+        """A tree's candidate nodes below ``anchor`` (tree.grow_tree, lazy), from one block
+        pass."""
         s = self.first_draft_slot
         hidden = self.block_hidden(target, anchor, cache, self.block_width(width))
-        logits = self.head(target, hidden[s : s + self.max_drafts])
+        hidden = hidden[s : s + self.max_drafts]
+        return self.tree_from(target, anchor, hidden, self.head(target, hidden), beam)
+
+    def grow_trees(self, target: Any, anchors: mx.array, caches: list[list[Any]], width: int,
+                   beam: int) -> list[tuple[mx.array, mx.array, mx.array]]:
+        """``grow_tree`` for many requests: one block pass and one head product for all."""
+        s, K = self.first_draft_slot, self.max_drafts
+        hidden = self.block_hidden_batch(target, anchors, caches, self.block_width(width))
+        hidden = hidden[:, s : s + K]
+        logits = self.head(target, hidden.reshape(-1, hidden.shape[-1]))
+        return [self.tree_from(target, anchors[i : i + 1], hidden[i],
+                               logits[i * K : (i + 1) * K], beam)
+                for i in range(anchors.shape[0])]
+
+    def tree_from(self, target: Any, anchor: mx.array, hidden: mx.array, logits: mx.array,
+                  beam: int) -> tuple[mx.array, mx.array, mx.array]:
+        """The tree from the drafts' hidden states [K, D] and logits [K, V']: the block pass
+        scores every position on its own, so each position's best candidates may follow any
+        node of the depth before."""
         return independent(logits, TREE_CANDIDATES, self.vocab_ids, beam)
 
     def propose_batch(

@@ -211,16 +211,13 @@ class DFlash2DraftModel(DFlashDraftModel):
         return Proposal(drafts,
                         None if q is None else CandidateProposal(cand_ids.astype(mx.uint32), q))
 
-    def grow_tree(self, target: Any, anchor: mx.array, cache: list[Any], width: int,
+    def tree_from(self, target: Any, anchor: mx.array, hidden: mx.array, logits: mx.array,
                   beam: int) -> tuple[mx.array, mx.array, mx.array]:
-        """A tree's candidate nodes below ``anchor`` (tree.grow_tree, lazy): each node's
-        children are the next position's K candidates, scored given the node's candidate by
-        the selector's pair scores (the lattice its walk reads)."""
-        s = self.first_draft_slot
-        hidden = self.block_hidden(target, anchor, cache, self.block_width(width))
-        hidden = hidden[s : s + self.max_drafts]
+        """The tree (tree.grow_tree, lazy) from the drafts' hidden states and logits: each
+        node's children are the next position's K candidates, scored given the node's
+        candidate by the selector's pair scores (the lattice its walk reads)."""
         sel = self.candidate_selector
-        cand, unary_k = sel.candidates(self.head(target, hidden).astype(mx.float32))
+        cand, unary_k = sel.candidates(logits.astype(mx.float32))
         first, rest = sel.lattice(cand, unary_k, hidden, self.prev_rows(anchor)[0])
         ids = self.vocab_ids[cand] if self.vocab_ids is not None else cand
         return grow_tree(first, lambda d, pick, _: rest[d - 1][pick], ids, beam)

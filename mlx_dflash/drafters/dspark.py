@@ -38,6 +38,12 @@ class DSparkArgs(DraftArgs):
     confidence_head_with_markov: bool = True
     confidence_temperatures: list[float] | None = None
     confidence_offsets: list[float] | None = None  # ours: c_k = sigmoid(logit_k / T_k + b_k)
+    # DeepSpec's slot 0 predicts the first draft; speculators' earlier DSpark heads keep slot 0
+    # for the anchor alone, as DFlash does (g slots, g - 1 drafts).
+    sample_from_anchor: bool = True
+    # With a reduced vocabulary, W1 of the Markov head has a row per target id (speculators'
+    # layout) instead of one per draft id and one for any token outside it (ours).
+    markov_w1_target_rows: bool = False
 
     @classmethod
     def from_config(cls, config: dict, **family: Any) -> DSparkArgs:
@@ -55,6 +61,8 @@ class DSparkArgs(DraftArgs):
             confidence_head_with_markov=bool(pick("confidence_head_with_markov", True)),
             confidence_temperatures=pick("confidence_temperatures"),
             confidence_offsets=pick("confidence_offsets"),
+            sample_from_anchor=bool(pick("sample_from_anchor", True)),
+            markov_w1_target_rows=bool(pick("markov_w1_target_rows", False)),
             **family,
         )
 
@@ -72,6 +80,10 @@ class DSparkArgs(DraftArgs):
             config["confidence_temperatures"] = self.confidence_temperatures
         if self.confidence_offsets and any(self.confidence_offsets):
             config["confidence_offsets"] = self.confidence_offsets
+        if not self.sample_from_anchor:
+            config["sample_from_anchor"] = False
+        if self.markov_w1_target_rows:
+            config["markov_w1_target_rows"] = True
         return config
 
 
@@ -144,6 +156,8 @@ class DSparkDraftModel(DFlashDraftModel):
         n_out = a.draft_vocab_size or a.vocab_size
         # With a reduced vocabulary, W1 has one more row: the previous token outside it.
         n_prev = n_out + 1 if a.draft_vocab_size else n_out
+        if a.draft_vocab_size and a.markov_w1_target_rows:
+            n_prev = a.vocab_size
         if a.markov_rank:  # rank 0: DeepSpec's anchor-first DFlash baseline
             self.markov_head = MarkovHead(n_prev, n_out, a.markov_rank, a.hidden_size,
                                           a.markov_head_type)
@@ -153,9 +167,27 @@ class DSparkDraftModel(DFlashDraftModel):
                                                                    if with_markov else 0))
 
     @property
+    def first_draft_slot(self) -> int:  # type: ignore[override]
+        """The block slot whose hidden state gives draft 1: the anchor's (DeepSpec), or the
+        one after it (speculators' earlier heads)."""
+        return 0 if self.args.sample_from_anchor else 1
+
+    @property
     def max_drafts(self) -> int:
-        """g inputs give g drafts (the anchor slot predicts the first)."""
-        return self.block_size
+        """g inputs give g drafts when the anchor slot predicts the first; else g - 1."""
+        return self.block_size - self.first_draft_slot
+
+    def markov_rows(self, tokens: mx.array) -> mx.array:
+        """Target ids -> rows of the Markov head's W1."""
+        if self.args.markov_w1_target_rows:
+            return tokens.astype(mx.int32)
+        return self.prev_rows(tokens)
+
+    def draft_rows(self, idx: mx.array) -> mx.array:
+        """Draft-vocabulary indices (drafts, candidates) -> rows of W1."""
+        if self.args.markov_w1_target_rows and self.vocab_ids is not None:
+            return self.vocab_ids[idx].astype(mx.int32)
+        return idx.astype(mx.int32)
 
     @property
     def has_confidence(self) -> bool:
@@ -224,10 +256,8 @@ class DSparkDraftModel(DFlashDraftModel):
         labelled with token anchor+k+1 and ``prev`` [N, g] holds the true token before it
         (teacher forcing: the anchor, then the labels); ``candidates`` as in block_logits."""
         embeds = self.embed_block(target, blocks)
-        hidden = self.train_hidden(embeds, features, anchors)
-        return self.block_logits(target, hidden, self.prev_rows(prev), candidates)
-
-    first_draft_slot = 0  # g inputs give g drafts: the anchor slot predicts the first
+        hidden = self.train_hidden(embeds, features, anchors)[:, self.first_draft_slot :]
+        return self.block_logits(target, hidden, self.markov_rows(prev), candidates)
 
     def block_width(self, width: int) -> int:
         return self.block_size  # the Markov head's slots are fixed
@@ -248,7 +278,7 @@ class DSparkDraftModel(DFlashDraftModel):
             cand = mx.argpartition(-unary, M - 1, axis=-1)[:, :M].astype(mx.int32)  # [K, M]
             unary = mx.take_along_axis(unary, cand, axis=-1)
             w2_rows = self.markov_head.w2_rows(cand)  # [K, M, r]
-        prev, state = self.prev_rows(anchor)[0], None
+        prev, state = self.markov_rows(anchor)[0], None
         drafts, probs, conf = [], [], []
         for k in range(K):
             rows = w2_rows[k] if w2_rows is not None else None
@@ -266,7 +296,7 @@ class DSparkDraftModel(DFlashDraftModel):
             if cand is not None:
                 x = cand[k][x]  # candidate slot -> draft-vocabulary index
             drafts.append(x)
-            prev = x.astype(mx.int32)
+            prev = self.draft_rows(x)
         confidence = self.calibrated(mx.stack(conf)) if conf else None
         idx = mx.stack(drafts)
         vocab = self.vocab_ids
@@ -282,15 +312,12 @@ class DSparkDraftModel(DFlashDraftModel):
                                   mx.broadcast_to(vocab[None], q.shape), q, axis=-1)
         return Proposal(out, q, confidence)
 
-    def grow_tree(self, target: Any, anchor: mx.array, cache: list[Any], width: int,
+    def tree_from(self, target: Any, anchor: mx.array, hidden: mx.array, unary: mx.array,
                   beam: int) -> tuple[mx.array, mx.array, mx.array]:
-        """A tree's candidate nodes below ``anchor`` (tree.grow_tree, lazy): each node's
-        children are slot d's ``walk_candidates`` best unary candidates, scored given the
-        node's token by the Markov head, as the walk scores them (an rnn head's state belongs
-        to one path: its slots are scored on their own)."""
-        K = self.max_drafts
-        hidden = self.block_hidden(target, anchor, cache, self.block_width(width))[:K]
-        unary = self.head(target, hidden)
+        """The tree (tree.grow_tree, lazy) from the slots' hidden states and unary logits:
+        each node's children are slot d's ``walk_candidates`` best unary candidates, scored
+        given the node's token by the Markov head, as the walk scores them (an rnn head's
+        state belongs to one path: its slots are scored on their own)."""
         if "markov_head" not in self or self.markov_head.kind == "rnn":
             return independent(unary, TREE_CANDIDATES, self.vocab_ids, beam)
         M = min(self.walk_candidates, unary.shape[-1])
@@ -308,8 +335,9 @@ class DSparkDraftModel(DFlashDraftModel):
             return cand_unary[d] + prev_emb @ w2[d].T
 
         ids = self.vocab_ids[cand] if self.vocab_ids is not None else cand
-        return grow_tree(scored(0, self.prev_rows(anchor))[0],
-                         lambda d, pick, _: scored(d, cand[d - 1][pick]), ids, beam)
+        return grow_tree(scored(0, self.markov_rows(anchor))[0],
+                         lambda d, pick, _: scored(d, self.draft_rows(cand[d - 1][pick])), ids,
+                         beam)
 
     def calibrated(self, conf_logits: mx.array) -> mx.array:
         """sigmoid(logit_k / T_k + b_k) with the sequentially fitted temperatures and offsets

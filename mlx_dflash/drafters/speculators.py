@@ -13,8 +13,11 @@ offset) and ``t2d`` (the target ids it holds). Weights keep their names but EAGL
 - dflash -> z-lab's DFlash: the block's first slot is the anchor (``sample_from_anchor``
   false); its head is the target's, so ``lm_head`` (the target's rows, which speculators keeps
   frozen) is dropped and ``d2t`` becomes our ``draft_vocab``.
-- dspark -> DeepSpec's DSpark (``sample_from_anchor`` true, DeepSpec's convention), with the
-  full vocabulary (a reduced one's Markov table has a row per target id; ours per draft id).
+- dspark -> DeepSpec's DSpark. Whether its anchor slot predicts the first draft (DeepSpec's
+  convention) or is the anchor's alone (speculators' earlier heads) follows from the block
+  and ``speculative_tokens`` (``_from_anchor``). With a reduced vocabulary the Markov head's
+  W1 has a row per target id (the previous token is the target's); ours has one per draft id
+  and one for any other token, so ours is written with a row per target id.
 """
 
 from __future__ import annotations
@@ -65,12 +68,7 @@ def read_config(config: dict, where: str) -> dict:
             out["block_size"] = tokens + 1
         return out
     # dflash / dspark: a block drafter, z-lab's / DeepSpec's fields
-    from_anchor = bool(config.get("sample_from_anchor", kind == "dspark"))
-    if from_anchor != (kind == "dspark"):
-        raise NotImplementedError(
-            f"{where}: a speculators {kind} drafter with sample_from_anchor "
-            f"{str(from_anchor).lower()} is not supported (ours: "
-            f"{str(kind == 'dspark').lower()})")
+    from_anchor = _from_anchor(config, kind, tokens, where)
     aux = config.get("aux_hidden_state_layer_ids")
     if not aux or config.get("mask_token_id") is None:
         raise ValueError(f"{where}: a speculators {kind} config needs "
@@ -78,10 +76,6 @@ def read_config(config: dict, where: str) -> dict:
     block = config.get("block_size", (tokens + (0 if from_anchor else 1)) if tokens else 8)
     dflash = {"target_layer_ids": [i - 1 for i in aux], "mask_token_id": config["mask_token_id"]}
     if "draft_vocab_size" in out:
-        if kind == "dspark":
-            raise NotImplementedError(
-                f"{where}: a speculators dspark drafter with a reduced vocabulary is not "
-                "supported yet (its Markov table has a row per target id)")
         dflash["draft_vocab_size"] = out.pop("draft_vocab_size")
     if config.get("sliding_window_non_causal"):
         out["is_causal"] = False
@@ -92,8 +86,30 @@ def read_config(config: dict, where: str) -> dict:
                    markov_rank=config.get("markov_rank", 256),
                    markov_head_type=config.get("markov_head_type", "vanilla"),
                    enable_confidence_head=config.get("enable_confidence_head", True),
-                   confidence_head_with_markov=config.get("confidence_head_with_markov", True))
+                   confidence_head_with_markov=config.get("confidence_head_with_markov", True),
+                   sample_from_anchor=from_anchor,
+                   markov_w1_target_rows="draft_vocab_size" in dflash)
     return out
+
+
+def _from_anchor(config: dict, kind: str, tokens: int | None, where: str) -> bool:
+    """Whether the block's anchor slot predicts the first draft. DFlash: never. DSpark: as
+    ``block_size - speculative_tokens`` says (0: yes, 1: the anchor slot is the anchor's
+    alone), else ``sample_from_anchor``; heads that name neither predate the field and keep
+    the anchor slot to the anchor (as DFlash, whose config speculators' DSpark extends).
+    Read wrongly, every draft lands one position off: lossless, but little is accepted."""
+    if kind == "dflash":
+        if config.get("sample_from_anchor", False):
+            raise NotImplementedError(f"{where}: a speculators dflash drafter with "
+                                      "sample_from_anchor true is not supported")
+        return False
+    block = config.get("block_size")
+    if block and tokens:
+        if block - tokens not in (0, 1):
+            raise ValueError(f"{where}: a dspark block of {block} slots cannot propose "
+                             f"{tokens} speculative_tokens (it proposes {block} or {block - 1})")
+        return block == tokens
+    return bool(config.get("sample_from_anchor", False))
 
 
 def read_weights(config: dict, weights: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -177,15 +193,16 @@ def write(drafter: Any, target: Any = None, verifier: str | None = None
                                             else vocab)
     config.update(aux_hidden_state_layer_ids=aux, mask_token_id=a.mask_token_id,
                   block_size=a.block_size, target_hidden_size=None,
-                  sample_from_anchor=family == "dspark")
+                  sample_from_anchor=family == "dspark" and a.sample_from_anchor)
     if family == "dspark":
-        if drafter.vocab_ids is not None:
-            raise NotImplementedError("the speculators layout holds no DSpark drafter with a "
-                                      "reduced vocabulary (its Markov table has a row per "
-                                      "target id)")
         config.update(markov_rank=a.markov_rank, markov_head_type=a.markov_head_type,
                       enable_confidence_head=a.enable_confidence_head,
                       confidence_head_with_markov=a.confidence_head_with_markov)
+        if drafter.vocab_ids is not None and not a.markov_w1_target_rows:
+            # W1 with a row per target id: its draft id's row, or the one for any other token.
+            rows = drafter.prev_rows(mx.arange(a.vocab_size))
+            for k in [k for k in weights if k.startswith("markov_head.markov_w1.")]:
+                weights[k] = weights[k][rows]  # weight (and scales, biases if quantized)
     ids = weights.pop("draft_vocab", None)
     if ids is not None:  # the reduced vocabulary as speculators maps it
         weights["d2t"] = ids.astype(mx.int64) - mx.arange(ids.shape[0], dtype=mx.int64)
