@@ -252,9 +252,10 @@ class DSparkDraftModel(DFlashDraftModel):
         return unary + bias, self.confidence_logits(hidden, prev_emb)
 
     def train_logits(self, target: Any, features, blocks, anchors, prev, candidates: int = 0):
-        """(draft logits [N, g, V'], confidence logits [N, g]) of training blocks; slot k is
-        labelled with token anchor+k+1 and ``prev`` [N, g] holds the true token before it
-        (teacher forcing: the anchor, then the labels); ``candidates`` as in block_logits."""
+        """(draft logits [N, K, V'], confidence logits [N, K]) of training blocks, K =
+        ``max_drafts``: the k-th drafting slot is labelled with token anchor+k+1 and ``prev``
+        [N, K] holds the true token before it (teacher forcing: the anchor, then the labels);
+        ``candidates`` as in block_logits."""
         embeds = self.embed_block(target, blocks)
         hidden = self.train_hidden(embeds, features, anchors)[:, self.first_draft_slot :]
         return self.block_logits(target, hidden, self.markov_rows(prev), candidates)
