@@ -207,6 +207,28 @@ def test_dspark_heads_with_an_anchor_only_slot_and_a_reduced_vocabulary(model, t
             model=model).max_drafts == (5 if anchor_first else 4)
 
 
+def test_speculators_checkpoints_convert_and_quantize(model, tmp_path):
+    """``convert drafter`` on a speculators checkpoint (EAGLE-3; DSpark with a reduced
+    vocabulary and an anchor-only slot) writes ours, quantized if asked, and it decodes as
+    the target does."""
+    from test_dspark import make_dspark
+
+    from mlx_dflash.convert.drafter import convert_drafter
+
+    made = {"eagle3": make_eagle3(model, vocab_ids=list(range(0, 128, 2))),
+            "dspark": make_dspark(model, vocab=list(range(0, 128, 2)), sample_from_anchor=False)}
+    for name, drafter in made.items():
+        config, weights = write(drafter, model)
+        src = save(tmp_path / name, config, weights)
+        for bits in (None, 8):
+            out = convert_drafter(src, tmp_path / f"{name}-{bits}", bits=bits, group_size=32)
+            converted = json.loads((out / "config.json").read_text())
+            assert "speculators_model_type" not in converted
+            loaded = load_drafter(out, model=model)
+            assert loaded.max_drafts == drafter.max_drafts
+            assert greedy(model, loaded) == reference(model, PROMPT, 24)[0], (name, bits)
+
+
 def test_reduced_vocabulary_dspark_samples_in_distribution_through_the_layout(tmp_path):
     small = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)
     made = make_drafter(small, block_size=4, layer_ids=(0, 1), seed=7, cls=DSparkDraftModel,

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..drafters import load_drafter, resolve_path
+from ..drafters import load_drafter, resolve_path, speculators
 from .atomic import atomic_output_dir
 from .save import quantize_drafter
 
@@ -98,7 +98,10 @@ def convert_drafter(
     weights = dict(tree_flatten(drafter.parameters()))
     mx.eval(weights)
     # Keep the source config as published (fields like output_multiplier or auto_map survive);
-    # only the storage dtype and the quantization scheme change.
+    # only the storage dtype and the quantization scheme change. A speculators config is
+    # written as ours: the weights now carry our names.
+    if speculators.is_speculators(config):
+        config = speculators.read_config(config, str(src_dir))
     config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     config["torch_dtype"] = dtype
     if bits is not None:
@@ -128,7 +131,6 @@ def export_drafter(src: str | Path, out: str | Path, to: str, target: str | None
     ``d2t`` / ``t2d``). ``target`` (an mlx-lm model dir or hub id): needed where the layout
     carries the target's weights (speculators' DFlash and DSpark), and to check the export
     against it. Atomic, and loaded back before it is moved into place."""
-    from ..drafters import speculators
 
     if to not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {to!r}")
