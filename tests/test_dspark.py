@@ -29,6 +29,38 @@ def make_dspark(model, kind="vanilla", vocab=None, **kw):
     return drafter
 
 
+def assert_lossless_and_walk_is_training(model, drafter, candidates=0):
+    """Greedy output is the target's, and the greedy walk is what teacher forcing scores when
+    the drafts are the labels."""
+    K = drafter.max_drafts
+    tok = make_tokenizer(128)
+    for prompt in ([5], [9, 10, 11, 12], list(range(3, 40))):
+        got = []
+        for r in stream_generate(model, drafter, tok, prompt, max_tokens=24, block_size=9,
+                                 copy_drafts=False):
+            got += r.tokens
+            assert r.stats.block_size == K + 1  # K drafts at most
+        assert got == reference(model, prompt, 24)[0]
+    target = Target(model)
+    tokens = mx.array([[5, 6, 7, 8, 9, 10, 11]])
+    _, feats = target.hidden_states(tokens, None, drafter.target_layer_ids)
+    cache = drafter.make_cache()
+    drafter.commit(feats[:, :6], cache)
+    proposal = drafter.propose(target, mx.array([11], dtype=mx.uint32), cache, 5, K,
+                               SamplingParams())
+    drafts = proposal.drafts
+    assert proposal.confidence.shape == (K,)
+    block = mx.array([[11] + [drafter.mask_token_id] * (drafter.block_size - 1)])
+    prev = mx.concatenate([mx.array([11]), drafts[:-1]])[None]
+    logits, conf = drafter.train_logits(target, feats[:, :6], block, mx.array([6]), prev,
+                                        candidates)
+    assert logits.shape[1] == K
+    idx = mx.argmax(logits[0], axis=-1)
+    mapped = drafter.vocab_ids[idx] if drafter.vocab_ids is not None else idx
+    assert mapped.tolist() == drafts.tolist()
+    assert mx.allclose(mx.sigmoid(conf[0]), proposal.confidence, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
 @pytest.mark.parametrize("reduced", [False, True])
 @pytest.mark.parametrize("candidates", [0, 3])
@@ -37,67 +69,20 @@ def test_greedy_dspark_is_lossless_and_walk_matches_training(kind, reduced, cand
     vocab = np.random.default_rng(1).permutation(128)[:50].tolist() if reduced else None
     drafter = make_dspark(model, kind, vocab)
     drafter.walk_candidates = candidates  # 3: each walk step picks among 3 tokens
-    tok = make_tokenizer(128)
-    for prompt in ([5], [9, 10, 11, 12], list(range(3, 40))):
-        want, _ = reference(model, prompt, 24)
-        got = []
-        for r in stream_generate(model, drafter, tok, prompt, max_tokens=24, block_size=9,
-                                 copy_drafts=False):
-            got += r.tokens
-            assert r.stats.block_size == 6  # g = 5 drafts at most
-        assert got == want
-    # The greedy walk is what teacher forcing scores when the drafts are the labels.
-    target = Target(model)
-    tokens = mx.array([[5, 6, 7, 8, 9, 10, 11]])
-    _, feats = target.hidden_states(tokens, None, drafter.target_layer_ids)
-    cache = drafter.make_cache()
-    drafter.commit(feats[:, :6], cache)
-    proposal = drafter.propose(target, mx.array([11], dtype=mx.uint32), cache, 5, 5,
-                               SamplingParams())
-    drafts = proposal.drafts
-    assert proposal.confidence.shape == (5,)
-    block = mx.array([[11] + [drafter.mask_token_id] * 4])
-    prev = mx.concatenate([mx.array([11]), drafts[:-1]])[None]
-    logits, conf = drafter.train_logits(target, feats[:, :6], block, mx.array([6]), prev,
-                                        candidates)
-    idx = mx.argmax(logits[0], axis=-1)
-    mapped = drafter.vocab_ids[idx] if reduced else idx
-    assert mapped.tolist() == drafts.tolist()
-    assert mx.allclose(mx.sigmoid(conf[0]), proposal.confidence, atol=1e-5)
+    assert drafter.max_drafts == 5  # g = 5 inputs, 5 drafts
+    assert_lossless_and_walk_is_training(model, drafter, candidates)
 
 
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
 def test_an_anchor_only_slot_and_a_markov_table_over_target_ids(kind):
     """speculators' earlier DSpark heads: the anchor slot is the anchor's alone (5 slots, 4
-    drafts) and, with a reduced vocabulary, W1 has a row per target id. Lossless, and the
-    greedy walk is what teacher forcing scores."""
+    drafts) and, with a reduced vocabulary, W1 has a row per target id."""
     model = make_target("qwen3", seed=4)
     vocab = np.random.default_rng(1).permutation(128)[:50].tolist()
     drafter = make_dspark(model, kind, vocab, sample_from_anchor=False,
                           markov_w1_target_rows=True)
     assert drafter.markov_head.markov_w1.weight.shape[0] == 128 and drafter.max_drafts == 4
-    tok = make_tokenizer(128)
-    for prompt in ([5], list(range(3, 40))):
-        got = []
-        for r in stream_generate(model, drafter, tok, prompt, max_tokens=24, block_size=9,
-                                 copy_drafts=False):
-            got += r.tokens
-            assert r.stats.block_size == 5
-        assert got == reference(model, prompt, 24)[0]
-    target = Target(model)
-    tokens = mx.array([[5, 6, 7, 8, 9, 10, 11]])
-    _, feats = target.hidden_states(tokens, None, drafter.target_layer_ids)
-    cache = drafter.make_cache()
-    drafter.commit(feats[:, :6], cache)
-    proposal = drafter.propose(target, mx.array([11], dtype=mx.uint32), cache, 5, 4,
-                               SamplingParams())
-    block = mx.array([[11] + [drafter.mask_token_id] * 4])
-    prev = mx.concatenate([mx.array([11]), proposal.drafts[:-1]])[None]
-    logits, conf = drafter.train_logits(target, feats[:, :6], block, mx.array([6]), prev)
-    assert logits.shape[1] == 4
-    assert drafter.vocab_ids[mx.argmax(logits[0], axis=-1)].tolist() == \
-        proposal.drafts.tolist()
-    assert mx.allclose(mx.sigmoid(conf[0]), proposal.confidence, atol=1e-5)
+    assert_lossless_and_walk_is_training(model, drafter)
 
 
 @pytest.mark.parametrize("candidates,reduced", [(0, False), (2, False), (3, True)])
