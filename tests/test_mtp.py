@@ -261,3 +261,21 @@ def test_deepseek_v3_mtp_layer_converted_decodes_as_the_target(tmp_path):
                              block_size=3, copy_drafts=False):
         got += r.tokens
     assert got == ref and len(ref) > 0 and r.stats.drafted_tokens > 0
+
+
+def test_an_mtp_layer_of_an_unsupported_type_is_named(tmp_path):
+    """GLM-4.5 keeps its MTP layer as DeepSeek-V3 does (model.layers.N, num_nextn_predict_layers):
+    found and named as not supported yet (``convert target`` then converts the target without
+    it, saying so)."""
+    from mlx_dflash.convert.mtp import extract_mtp
+
+    config = {"model_type": "glm4_moe", "num_hidden_layers": 2, "num_nextn_predict_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"),
+                        {"model.layers.1.mlp.weight": mx.zeros((2, 2)),
+                         "model.layers.2.eh_proj.weight": mx.zeros((2, 4))})
+    with pytest.raises(NotImplementedError, match="model type 'glm4_moe' is not supported yet"):
+        extract_mtp(tmp_path, tmp_path / "out")
+    config["num_nextn_predict_layers"] = 0  # no MTP layer declared: nothing to keep
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert extract_mtp(tmp_path, tmp_path / "out") == 0

@@ -145,7 +145,12 @@ def target_cmd(
                     q_group_size=q_group_size if quantize else None,
                     q_bits=(q_bits or 4) if quantize else None, dtype=dtype)
             # mlx-lm drops the MTP head: kept beside the model for --drafter mtp
-            kept = extract_mtp(local if local.exists() else _download(hf_path), tmp, dtype)
+            try:
+                kept = extract_mtp(local if local.exists() else _download(hf_path), tmp, dtype)
+            except NotImplementedError as e:  # the target itself converted: keep it
+                kept = 0
+                typer.secho(f"warning: {e}; the target is converted without it",
+                            fg=typer.colors.YELLOW, err=True)
             if kept:
                 typer.echo(f"Kept the MTP head ({kept} tensors) in mtp.safetensors "
                            "(--drafter mtp)", err=True)

@@ -29,13 +29,18 @@ def extract_mtp(src: str | Path, out: str | Path, dtype: str | None = None) -> i
     top = json.loads((src / "config.json").read_text())
     config = top.get("text_config", top)  # Qwen3.5: the language model's fields
     model_type = top.get("model_type")
-    # Qwen3-Next: mtp.*; DeepSeek-V3: the decoder layer after the last, model.layers.N.*
-    prefix = (f"model.layers.{config.get('num_hidden_layers')}."
-              if model_type == "deepseek_v3" else "mtp.")
+    # Qwen3-Next, Qwen3.5: mtp.*; DeepSeek-V3 (and GLM-4.5): the decoder layer after the
+    # last, model.layers.N.*
+    prefixes = ["mtp."]
+    if model_type == "deepseek_v3" or config.get("num_nextn_predict_layers"):
+        prefixes.append(f"model.layers.{config.get('num_hidden_layers')}.")
     weights: dict[str, mx.array] = {}
-    for shard in _shards(src, prefix):
-        weights.update({k[len(prefix):]: v for k, v in mx.load(str(shard)).items()
-                        if k.startswith(prefix)})
+    for prefix in prefixes:
+        for shard in _shards(src, prefix):
+            weights.update({k[len(prefix):]: v for k, v in mx.load(str(shard)).items()
+                            if k.startswith(prefix)})
+        if weights:
+            break
     if not weights:
         return 0
     if model_type not in FAMILIES:
