@@ -174,13 +174,7 @@ class Eagle3Attention(nn.Module):
         the cache's T entries after this call each row attends to), B tree nodes [B, 1, 2H] of
         one depth, all at ``position``: their keys join the cache side by side."""
         B, L, _ = x.shape
-        q = self._heads(self.q_proj(x), self.n_heads)
-        k = self._heads(self.k_proj(x), self.n_kv_heads)
-        v = self._heads(self.v_proj(x), self.n_kv_heads)
-        if "q_norm" in self:
-            q, k = self.q_norm(q), self.k_norm(k)
-        offset = cache.offset if position is None else position
-        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        q, k, v = self.project(x, cache.offset if position is None else position)
         if seen is None:
             k, v = cache.update_and_fetch(k, v)
             mask = "causal" if L > 1 else None
@@ -190,6 +184,16 @@ class Eagle3Attention(nn.Module):
             mask = seen[:, None, None, :]
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, ...]:
+        """q, k, v [B, heads, L, head_dim] of ``x`` [B, L, 2H], rotated from ``offset`` (one
+        position, or one per row)."""
+        q = self._heads(self.q_proj(x), self.n_heads)
+        k = self._heads(self.k_proj(x), self.n_kv_heads)
+        v = self._heads(self.v_proj(x), self.n_kv_heads)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.rope(q, offset=offset), self.rope(k, offset=offset), v
 
 
 class Eagle3Layer(nn.Module):
@@ -206,10 +210,17 @@ class Eagle3Layer(nn.Module):
 
     def __call__(self, embeds: mx.array, hidden: mx.array, cache: KVCache,
                  seen: mx.array | None = None, position: int | None = None) -> mx.array:
+        x, residual = self.inputs(embeds, hidden)
+        return self.finish(residual, self.self_attn(x, cache, seen, position))
+
+    def inputs(self, embeds: mx.array, hidden: mx.array) -> tuple[mx.array, mx.array]:
+        """The attention's input [embedding ; hidden], each normed, and the residual."""
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
-        x = mx.concatenate([self.input_layernorm(embeds), normed], axis=-1)
-        h = residual + self.self_attn(x, cache, seen, position)
+        return mx.concatenate([self.input_layernorm(embeds), normed], axis=-1), residual
+
+    def finish(self, residual: mx.array, attended: mx.array) -> mx.array:
+        h = residual + attended
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -262,15 +273,8 @@ class Eagle3DraftModel(ChainDrafter):
         """One teacher-forced step for N blocks ([N, H] in and out): the context's keys up to
         each block's ``idx``, and the block's own earlier steps' keys (``own``, grown here)."""
         layer, attn = self.midlayer, self.midlayer.self_attn
-        normed = layer.hidden_norm(hidden)
-        residual = normed if layer.norm_before_residual else hidden
-        x = mx.concatenate([layer.input_layernorm(embeds), normed], axis=-1)[:, None]
-        q = attn._heads(attn.q_proj(x), attn.n_heads)  # [N, heads, 1, hd]
-        k = attn._heads(attn.k_proj(x), attn.n_kv_heads)
-        v = attn._heads(attn.v_proj(x), attn.n_kv_heads)
-        if "q_norm" in attn:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = attn.rope(q, offset=idx + j), attn.rope(k, offset=idx + j)
+        x, residual = layer.inputs(embeds, hidden)
+        q, k, v = attn.project(x[:, None], idx + j)  # [N, heads, 1, hd]
         own.append((k, v))
         rep = attn.n_heads // attn.n_kv_heads
 
@@ -290,8 +294,7 @@ class Eagle3DraftModel(ChainDrafter):
         for i, (_, vi) in enumerate(own):
             out = out + w[..., L + i : L + i + 1] * heads(vi)
         out = attn.o_proj(out.transpose(0, 2, 1, 3).reshape(x.shape[0], 1, -1))[:, 0]
-        h = residual + out
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return layer.finish(residual, out)
 
     def __init__(self, args: Eagle3Args):
         super().__init__()
