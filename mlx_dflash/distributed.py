@@ -4,9 +4,10 @@ Launched with ``mlx.launch`` (``mlx.launch --backend ring -n 2 mlx-dflash genera
 process (rank) loads the pair and mlx-lm shards the target (:func:`shard_target`): tensor
 parallel where mlx-lm's model has ``shard(group)`` (each layer's projections split across the
 ranks; the layer sums its output over them, two ``all_sum`` per layer per pass), else pipeline
-parallel where it has ``model.pipeline(group)`` (each rank runs some whole layers and hands the
-hidden state on: target.py runs the stages as mlx-lm does, and sums the tap features each
-stage computed so that every rank's drafter reads them all). Nothing else is parallel: every
+parallel (each rank runs some whole layers and hands the hidden state on, split by mlx-lm's
+``pipeline``, which every family target.py runs can take: target.py runs the stages as mlx-lm
+does, and sums the tap features each stage computed so that every rank's drafter reads them
+all). Nothing else is parallel: every
 rank runs the whole decode loop. The drafter is small and runs on every rank; identical inputs
 give identical drafts, so no draft crosses the network, and a verify pass crosses it as one
 decoded token does (the same messages, whatever the block's length): that is where
@@ -26,6 +27,7 @@ has stopped them first.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from typing import Any
@@ -33,6 +35,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.pipeline import PipelineMixin
 
 _group: mx.distributed.Group | None = None  # the run's group, when it has several ranks
 
@@ -113,11 +117,10 @@ def barrier() -> None:
 def shard_target(model: nn.Module, group: mx.distributed.Group | None = None,
                  mode: str = "auto") -> str:
     """Split ``model`` across ``group`` (default: the run's) with mlx-lm's own sharding and
-    return how: "tensor" (``model.shard``: every layer split by heads), or "pipeline"
-    (``model.model.pipeline``: each rank runs a run of whole layers, the first ranks the last
-    layers, and passes the hidden state on). ``mode`` "auto": tensor where mlx-lm has it and the
-    heads divide among the ranks, else pipeline. Refuses, naming the model type, a target
-    mlx-lm cannot split that way."""
+    return how: "tensor" (``model.shard``: every layer split by heads), or "pipeline" (each
+    rank runs a run of whole layers, the first ranks the last layers, and passes the hidden
+    state on). ``mode`` "auto": tensor where mlx-lm has it and the heads divide among the
+    ranks, else pipeline. Refuses, naming the model type, a split that cannot be made."""
     group = group or _group
     if group is None or group.size() == 1:
         return "none"
@@ -128,34 +131,48 @@ def shard_target(model: nn.Module, group: mx.distributed.Group | None = None,
     args, n = text.args, group.size()
     heads = [getattr(args, "num_attention_heads", 0), getattr(args, "num_key_value_heads", 0)]
     divisible = not any(h % n for h in heads if h)
-    can_pipeline = hasattr(getattr(text, "model", None), "pipeline")
     if mode == "auto":
-        mode = "tensor" if hasattr(text, "shard") and (divisible or not can_pipeline) else (
-            "pipeline" if can_pipeline else "tensor")
+        mode = "tensor" if hasattr(text, "shard") and divisible else "pipeline"
     if mode == "tensor":
         if not hasattr(text, "shard"):
             raise ValueError(f"model type '{model_type}' cannot be split across machines by "
-                             "tensor: mlx-lm gives it no tensor-parallel sharding (model.shard)")
+                             "tensor: mlx-lm gives it no tensor-parallel sharding (model.shard);"
+                             " split it by layers (--split pipeline)")
         if not divisible:
             raise ValueError(f"model type '{model_type}': {heads[0]} query / {heads[1]} "
-                             f"key-value heads do not divide among {n} ranks"
-                             + ("" if can_pipeline else " (and mlx-lm cannot split it by "
-                                "layers): run a number of ranks that divides them"))
+                             f"key-value heads do not divide among {n} ranks; split it by "
+                             "layers (--split pipeline) or run a number of ranks that divides "
+                             "them")
         text.shard(group)
     else:
-        if not can_pipeline:
-            raise ValueError(f"model type '{model_type}' cannot be split across machines by "
-                             "layers: mlx-lm gives it no pipeline (model.model.pipeline)")
         if len(text.model.layers) < n:
             raise ValueError(f"model type '{model_type}': {len(text.model.layers)} layers "
                              f"cannot be split among {n} ranks")
-        text.model.pipeline(group)
+        _split_layers(text, group)
     mx.eval(model.parameters())
     barrier()
     return mode
 
 
+def _split_layers(text: nn.Module, group: mx.distributed.Group) -> None:
+    """Split the decoder stack by layers: mlx-lm's ``pipeline`` where the model has one, else
+    the same split (mlx-lm's ``PipelineMixin.pipeline`` on the stack) for a family mlx-lm does
+    not pipeline (llama, qwen3, gpt_oss, gemma3). Either way target.py runs the stage and its
+    messages; such a model's own ``__call__`` does not, and its caches are made here."""
+    inner = text.model
+    if hasattr(inner, "pipeline"):
+        inner.pipeline(group)
+        return
+    every_layer = make_prompt_cache(text)  # before the split: one per layer, of its kind
+    PipelineMixin.pipeline(inner, group)
+    here = every_layer[inner.start_idx:inner.end_idx]
+    text.make_cache = lambda: copy.deepcopy(here)  # empty caches of this stage's layers
+
+
 # -- a slower link, for measurement -------------------------------------------------------------
+_slow = {"delay": 0.0, "counter": None}  # what slow_links set for the pipeline's messages
+
+
 class _SlowLink(nn.Module):
     """A sharded layer whose sum over the ranks takes ``delay`` seconds longer, as over a link
     with that much more latency per message."""
@@ -165,18 +182,31 @@ class _SlowLink(nn.Module):
         self.inner, self.delay, self.counter = inner, delay, counter
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = self.inner(x)
-        mx.eval(y)  # the message is sent and received here
-        self.counter[0] += 1
-        if self.delay:
-            time.sleep(self.delay)
+        return _delayed(self.inner(x), self.delay, self.counter)
+
+
+def _delayed(y: mx.array, delay: float, counter: list[int]) -> mx.array:
+    mx.eval(y)  # the message is sent and received here
+    counter[0] += 1
+    if delay:
+        time.sleep(delay)
+    return y
+
+
+def over_link(y: mx.array) -> mx.array:
+    """``y``, the result of a pipeline stage's message (target.py): as it is, or, after
+    :func:`slow_links`, evaluated and ``delay`` seconds late."""
+    if _slow["counter"] is None:
         return y
+    return _delayed(y, _slow["delay"], _slow["counter"])
 
 
 def slow_links(model: nn.Module, delay: float) -> list[int]:
-    """Make every sum over the ranks in ``model`` (its sharded-to-all layers) wait ``delay``
-    seconds more; returns a one-item list counting the messages sent from now on."""
+    """Make every message between the ranks in ``model`` wait ``delay`` seconds more (a tensor
+    split's sums over the ranks; a pipeline's hand-on and gather); returns a one-item list
+    counting the messages received from now on. ``delay`` 0 undoes it."""
     counter = [0]
+    _slow.update(delay=delay, counter=counter if delay else None)
     sharded = (nn.layers.distributed.ShardedToAllLinear,
                nn.layers.distributed.QuantizedShardedToAllLinear)
 
@@ -184,9 +214,14 @@ def slow_links(model: nn.Module, delay: float) -> list[int]:
         for name, child in module.children().items():
             children = child if isinstance(child, list) else [child]
             for i, c in enumerate(children):
-                if isinstance(c, _SlowLink):  # slowed before: this delay instead
+                if isinstance(c, _SlowLink):  # slowed before: this delay instead, or none
                     c.delay, c.counter = delay, counter
-                elif isinstance(c, sharded):
+                    if not delay:
+                        if isinstance(child, list):
+                            child[i] = c.inner
+                        else:
+                            setattr(module, name, c.inner)
+                elif isinstance(c, sharded) and delay:
                     slow = _SlowLink(c, delay, counter)
                     if isinstance(child, list):
                         child[i] = slow

@@ -58,6 +58,8 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+from . import distributed
+
 # Layer kinds, named as in Hugging Face configs' ``layer_types``.
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -87,12 +89,14 @@ def _hybrid_kinds(inner: nn.Module) -> list[str]:
 
 
 def _gpt_oss_kinds(inner: nn.Module) -> list[str]:
-    return [FULL if kind == "full_attention" else SLIDING for kind in inner.layer_types]
+    return [FULL if kind == "full_attention" else SLIDING
+            for kind, layer in zip(inner.layer_types, inner.layers) if layer is not None]
 
 
 def _gemma3_kinds(inner: nn.Module) -> list[str]:
     p = inner.sliding_window_pattern
-    return [FULL if i % p == p - 1 else SLIDING for i in range(len(inner.layers))]
+    return [FULL if i % p == p - 1 else SLIDING
+            for i, layer in enumerate(inner.layers) if layer is not None]
 
 
 def _gemma_embed_scale(inner: nn.Module, h: mx.array) -> mx.array:
@@ -437,7 +441,9 @@ class Target:
         self._first_of_kind = {k: self.layer_kinds.index(k) for k in set(self.layer_kinds)}
         self.recurrent_rollback = recurrent_rollback
         self._check_caches()
-        if check:
+        # A stage of a split mlx-lm does not pipeline (distributed._split_layers) has no
+        # model(x) to compare with: its own __call__ does not run the split.
+        if check and (self.stages == 1 or hasattr(inner, "pipeline")):
             self._check_forward(model)
 
     def _family(self, inner: nn.Module) -> Family:
@@ -518,7 +524,7 @@ class Target:
         wanted = set(layer_ids)
         stage = self.inner.pipeline_rank if self.stages > 1 else 0
         if stage < self.stages - 1:  # a pipeline stage after the first: the one before's output
-            h = mx.distributed.recv_like(h, stage + 1)
+            h = distributed.over_link(mx.distributed.recv_like(h, stage + 1))
         for j, (layer, c) in enumerate(zip(self.layers_here, cache)):
             if recurrent is not None and self.layer_kinds[j] == RECURRENT:
                 h = self._recorded_recurrent_layer(layer, h, masks[j], c, recurrent)
@@ -547,7 +553,7 @@ class Target:
             h = mx.distributed.send(h, stage - 1)
         B, D = h.shape[0], h.shape[-1]
         both = h if features is None else mx.concatenate([h, features], axis=-1)
-        gathered = mx.distributed.all_gather(both)  # [stages * B, L, D (+ F)], stage by stage
+        gathered = distributed.over_link(mx.distributed.all_gather(both))  # [stages * B, ...]
         if features is not None:
             features = gathered[..., D:].reshape(-1, B, *features.shape[1:]).sum(axis=0)
         return gathered[:B, :, :D], features

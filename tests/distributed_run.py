@@ -22,7 +22,10 @@ BATCH_PROMPTS = [PROMPT, [7, 8, 9], [40, 41, 40, 41, 40, 41, 42]]
 FAMILIES = {"qwen3": (lambda: make_target("qwen3", seed=2), "tensor"),
             "llama": (lambda: make_family_target("llama", seed=1), "tensor"),  # sliding windows
             "qwen2": (lambda: make_family_target("qwen2", seed=1), "pipeline"),
-            "qwen3_next": (lambda: make_family_target("qwen3_next", seed=1), "pipeline")}
+            "qwen3_next": (lambda: make_family_target("qwen3_next", seed=1), "pipeline"),
+            # split by layers where mlx-lm gives the model no pipeline (distributed._split_layers)
+            "llama by layers": (lambda: make_family_target("llama", seed=1), "pipeline"),
+            "gemma3_text": (lambda: make_family_target("gemma3_text", seed=1), "pipeline")}
 
 
 def tokens(model, drafter, **kw):
@@ -36,7 +39,10 @@ def main(out_path: str, die: bool = False) -> None:
     group = distributed.init()
     assert group is not None and group.size() == 2, "run me with mlx.launch -n 2"
     results = {}
+    only = os.environ.get("DIST_FAMILIES")  # a comma-separated subset, when debugging
     for family, (make, how) in FAMILIES.items():
+        if only and family not in only.split(","):
+            continue
         model = make()
         drafter = make_drafter(model, block_size=4)  # the same weights on every rank
         assert distributed.shard_target(model, mode=how) == how
