@@ -10,13 +10,16 @@ polls and on a 2-core machine takes a core from the ranks:
         --prompts ../shared/datasets/eval_math_gsm8k.jsonl --limit 2 --max-tokens 32 \
         --delay 0 --delay 0.001 --json results/bench_distributed_smollm2_cpu_DATE.json
 
-The default pair's target is split by mlx-lm (tensor parallel: SmolLM2-135M's 9 query and 3
-key-value heads divide among 3 ranks, not 2); every prompt is decoded
-by mlx-lm's own loop on the split model (plain distributed decoding, what ``mlx_lm.generate``
-does under mlx.launch) and by ours with the default settings, back to back, greedy; the outputs
-must be equal. ``--delay D`` adds D seconds to every message between the ranks (each sum over
-the ranks, two per layer per pass: distributed.slow_links), standing in for a slower link;
-0 runs the split model as it is. Rank 0 writes the figures.
+The default pair's target is split as ``--split`` says (distributed.shard_target; auto: tensor
+parallel where SmolLM2-135M's 9 query and 3 key-value heads divide among the ranks, as on 3,
+else by layers, as on 2). Every prompt is decoded plainly (plain distributed decoding) and by
+ours with the default settings, back to back, greedy; the outputs must be equal. Plain is
+mlx-lm's own loop on a tensor split (what ``mlx_lm.generate`` does under mlx.launch) and ours
+with no drafter on a split by layers (mlx-lm's llama has no pipeline, so its loop cannot run
+one; ours sends the same messages per token: a hand-on per stage and one gather). ``--delay D``
+adds D seconds to every message between the ranks (distributed.slow_links: each sum over the
+ranks, two per layer per pass, or each hand-on and gather), standing in for a slower link; 0
+runs the split model as it is. Rank 0 writes the figures.
 """
 
 from __future__ import annotations
@@ -41,8 +44,12 @@ from mlx_dflash.bench import load_prompt_sets
 from mlx_dflash.prompts import encode_prompt
 
 
-def plain(model, tokenizer, prompt: list[int], max_tokens: int) -> list[int]:
+def plain(model, tokenizer, prompt: list[int], max_tokens: int, split: str) -> list[int]:
     out = []
+    if split == "pipeline":  # ours, no drafter: one pass per token
+        for r in stream_generate(model, None, tokenizer, prompt, max_tokens=max_tokens):
+            out += r.tokens
+        return out
     for r in mlx_lm_stream(model, tokenizer, prompt, max_tokens=max_tokens):
         if r.finish_reason != "stop":
             out.append(r.token)
@@ -65,6 +72,26 @@ def sum_latency(hidden: int, tokens: int, reps: int = 50) -> float:
     tic = time.perf_counter()
     for _ in range(reps):
         mx.eval(mx.distributed.all_sum(x))
+    return (time.perf_counter() - tic) / reps
+
+
+def pipeline_latency(hidden: int, tokens: int, reps: int = 50) -> float:
+    """Seconds of one pass's messages on a split by layers, without its layers: each stage
+    hands a [1, tokens, hidden] float32 state on, then one gather (as target.py does)."""
+    r, n = distributed.rank(), distributed.group().size()
+
+    def once():
+        h = mx.ones((1, tokens, hidden))
+        if r < n - 1:
+            h = mx.distributed.recv_like(h, r + 1)
+        if r != 0:
+            h = mx.distributed.send(h, r - 1)
+        mx.eval(mx.distributed.all_gather(h))
+
+    once()
+    tic = time.perf_counter()
+    for _ in range(reps):
+        once()
     return (time.perf_counter() - tic) / reps
 
 
@@ -105,6 +132,7 @@ def main() -> None:
     parser.add_argument("--prompts", action="append", required=True)
     parser.add_argument("--limit", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--split", default="auto", choices=("auto", "tensor", "pipeline"))
     parser.add_argument("--delay", type=float, action="append", default=None)
     parser.add_argument("--json", default=None)
     parser.add_argument("--messages-only", action="store_true",
@@ -116,7 +144,7 @@ def main() -> None:
     if group is None:
         sys.exit("run under mlx.launch with 2 or more ranks")
     model, drafter, tokenizer = load_default(progress=distributed.is_root())
-    distributed.shard_target(model)
+    split = distributed.shard_target(model, mode=args.split)
     sets = load_prompt_sets(args.prompts, args.limit)
     # Before any clock: the scheduler's pass costs (measured by all ranks together, once).
     speculative(model, drafter, tokenizer, [1, 2, 3], 4)
@@ -128,9 +156,17 @@ def main() -> None:
                     "launched": ("--ranks (no output relay)"
                                  if os.environ.get("MLX_DFLASH_STARTED_RANKS") else "mlx.launch")},
         "settings": {"max_tokens": args.max_tokens, "limit": args.limit, "greedy": True,
-                     "split": "tensor parallel (mlx-lm shard)",
-                     "messages_per_pass": 2 * len(model.layers)},
+                     "split": {"tensor": "tensor parallel (mlx-lm shard)",
+                               "pipeline": "by layers (pipeline)"}[split],
+                     "plain": {"tensor": "mlx-lm stream_generate",
+                               "pipeline": "mlx_dflash stream_generate, no drafter"}[split],
+                     "messages_per_pass": (2 * len(model.layers) if split == "tensor" else
+                                           f"{group.size() - 1} hand-on(s) and 1 gather")},
         "sum_latency_s": {str(n): sum_latency(hidden, n) for n in (1, 8)},
+        # a pass's messages alone (no compute), by the pass's tokens
+        "pass_messages_s": {str(n): (2 * len(model.layers) * sum_latency(hidden, n)
+                                     if split == "tensor" else pipeline_latency(hidden, n))
+                            for n in (1, 8)},
         "delays": {},
     }
     # Every rank drafts (no message); drafting on rank 0 alone would send each cycle's drafts:
@@ -151,17 +187,21 @@ def main() -> None:
         print(json.dumps(results["draft_on_rank_0"]), flush=True)
     if args.messages_only:
         args.delay = []
-    for delay in [0.0] if args.delay is None else args.delay:
-        counter = distributed.slow_links(model, delay) if delay else None
-        rows = {}
-        for domain, texts in sets.items():
-            row = rows[domain] = {"plain_s": 0.0, "spec_s": 0.0, "tokens": 0, "cycles": 0,
-                                  "differing": 0}
-            for text in texts:
-                prompt = encode_prompt(tokenizer, chat_prompt(tokenizer, text))
+    # Each prompt runs at every delay in turn (plain, then speculative), so that the machine's
+    # drift over the run falls on every delay alike.
+    delays = [0.0] if args.delay is None else args.delay
+    rows = {d: {domain: {"plain_s": 0.0, "spec_s": 0.0, "tokens": 0, "cycles": 0,
+                         "differing": 0} for domain in sets} for d in delays}
+    counted = {d: 0 for d in delays}
+    for domain, texts in sets.items():
+        for text in texts:
+            prompt = encode_prompt(tokenizer, chat_prompt(tokenizer, text))
+            for delay in delays:
+                row = rows[delay][domain]
+                counter = distributed.slow_links(model, delay)
                 distributed.barrier()
                 tic = time.perf_counter()
-                want = plain(model, tokenizer, prompt, args.max_tokens)
+                want = plain(model, tokenizer, prompt, args.max_tokens, split)
                 row["plain_s"] += time.perf_counter() - tic
                 distributed.barrier()
                 tic = time.perf_counter()
@@ -170,6 +210,10 @@ def main() -> None:
                 row["tokens"] += len(want)
                 row["cycles"] += cycles
                 row["differing"] += got != want
+                counted[delay] += counter[0]
+    distributed.slow_links(model, 0.0)
+    for delay in delays:
+        for domain, row in rows[delay].items():
             row["plain_tps"] = row["tokens"] / row["plain_s"]
             row["spec_tps"] = row["tokens"] / row["spec_s"]
             row["speedup"] = row["spec_tps"] / row["plain_tps"]
@@ -179,9 +223,9 @@ def main() -> None:
                       f"speculative {row['spec_tps']:.1f} tok/s ({row['speedup']:.2f}x), "
                       f"{row['tokens_per_cycle']:.2f} tokens/pass, differing "
                       f"{row['differing']}", flush=True)
-        results["delays"][f"{delay * 1e3:g} ms"] = rows
-        if counter is not None:
-            results["delays"][f"{delay * 1e3:g} ms"]["messages_counted"] = counter[0]
+        results["delays"][f"{delay * 1e3:g} ms"] = rows[delay]
+        if delay:
+            results["delays"][f"{delay * 1e3:g} ms"]["messages_counted"] = counted[delay]
     if distributed.is_root() and args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

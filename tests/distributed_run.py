@@ -25,7 +25,8 @@ FAMILIES = {"qwen3": (lambda: make_target("qwen3", seed=2), "tensor"),
             "qwen3_next": (lambda: make_family_target("qwen3_next", seed=1), "pipeline"),
             # split by layers where mlx-lm gives the model no pipeline (distributed._split_layers)
             "llama by layers": (lambda: make_family_target("llama", seed=1), "pipeline"),
-            "gemma3_text": (lambda: make_family_target("gemma3_text", seed=1), "pipeline")}
+            "gemma3_text": (lambda: make_family_target("gemma3_text", seed=1), "pipeline"),
+            "gpt_oss by layers": (lambda: make_family_target("gpt_oss", seed=1), "pipeline")}
 
 
 def tokens(model, drafter, **kw):
