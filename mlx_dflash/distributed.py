@@ -7,11 +7,10 @@ ranks; the layer sums its output over them, two ``all_sum`` per layer per pass),
 parallel (each rank runs some whole layers and hands the hidden state on, split by mlx-lm's
 ``pipeline``, which every family target.py runs can take: target.py runs the stages as mlx-lm
 does, and sums the tap features each stage computed so that every rank's drafter reads them
-all). Nothing else is parallel: every
-rank runs the whole decode loop. The drafter is small and runs on every rank; identical inputs
-give identical drafts, so no draft crosses the network, and a verify pass crosses it as one
-decoded token does (the same messages, whatever the block's length): that is where
-speculation pays.
+all). Nothing else is parallel: every rank runs the whole decode loop. The drafter is small
+and runs on every rank; identical inputs give identical drafts, so no draft crosses the
+network, and a verify pass crosses it as one decoded token does (the same messages, whatever
+the block's length): that is where speculation pays.
 
 The accept decision must be the same on every rank, or the ranks' passes stop matching: the
 logits and tap features are (a tensor split's sums reach every rank alike; a pipeline's last
@@ -157,7 +156,7 @@ def shard_target(model: nn.Module, group: mx.distributed.Group | None = None,
 def _split_layers(text: nn.Module, group: mx.distributed.Group) -> None:
     """Split the decoder stack by layers: mlx-lm's ``pipeline`` where the model has one, else
     the same split (mlx-lm's ``PipelineMixin.pipeline`` on the stack) for a family mlx-lm does
-    not pipeline (llama, qwen3, gpt_oss, gemma3). Either way target.py runs the stage and its
+    not pipeline (llama, qwen3, gpt_oss, gemma3_text). Either way target.py runs the stage and its
     messages; such a model's own ``__call__`` does not, and its caches are made here."""
     inner = text.model
     if hasattr(inner, "pipeline"):
