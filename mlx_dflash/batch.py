@@ -62,7 +62,7 @@ from .schedule import (
     cached_batch_costs, kv_bytes_per_position, memory_headroom, plan_batch, plan_nodes,
 )
 from .target import as_target
-from .tree import AUTO, TREE_BEAM, TREE_MAX, LazyTree, select_tree, target_choices
+from .tree import AUTO, TREE_MAX, LazyTree, select_tree, target_choices, tree_beam
 
 
 @dataclass
@@ -353,7 +353,8 @@ class BatchEngine:
         for r in rows:
             r.spec.catch_up()
         grown = grow_trees(self.drafter, self.target, [r.anchor for r in rows],
-                           [r.spec.draft_cache for r in rows], self.width, TREE_BEAM)
+                           [r.spec.draft_cache for r in rows], self.width,
+                           tree_beam(size, self.drafter.max_drafts))
         return {i: select_tree(*g, size) for i, g in zip(growing, grown)}
 
     def _size_trees(self, plans: list, trees: dict[int, LazyTree]

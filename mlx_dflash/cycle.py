@@ -21,7 +21,7 @@ from .accept import SamplingParams, accept_block, point_mass
 from .drafters.base import Drafter, Proposal
 from .pair_cache import PairCache
 from .target import Target
-from .tree import TREE_BEAM, DraftTree, LazyTree, select_tree, target_choices
+from .tree import DraftTree, LazyTree, select_tree, target_choices, tree_beam
 
 DEFAULT_PREFILL_STEP = 2048
 
@@ -193,7 +193,7 @@ class Speculator:
         """The drafter's ``size`` likeliest nodes below ``anchor``, chosen on the device."""
         self.catch_up()
         grown = self.drafter.grow_tree(self.target, anchor, self.draft_cache, self.width,
-                                       TREE_BEAM)
+                                       tree_beam(size, self.drafter.max_drafts))
         return select_tree(*grown, size)
 
     def verify_tree(self, anchor: mx.array, tree: DraftTree, source: str = TREE) -> TreeCycle:

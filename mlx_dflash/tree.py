@@ -114,6 +114,13 @@ class DraftTree:
         return path, choices[row]
 
 
+def tree_beam(size: int, depth: int) -> int:
+    """Paths a tree of ``size`` nodes keeps per level, ``depth`` levels deep: TREE_BEAM, or as
+    many as it takes for the levels to hold ``size`` nodes (a wider beam, not a cap on the
+    size asked for)."""
+    return max(TREE_BEAM, -(-size // max(depth, 1)))
+
+
 def grow_tree(first: mx.array, transition: Callable[[int, mx.array, mx.array], mx.array],
               cand_ids: mx.array, beam: int) -> tuple[mx.array, mx.array, mx.array]:
     """A tree's candidate nodes, level by level (lazy). ``first`` [M]: logits of position 0's

@@ -21,7 +21,7 @@ from mlx_dflash.accept import SamplingParams
 from mlx_dflash.batch import BatchEngine
 from mlx_dflash.batch_cache import make_batch_cache
 from mlx_dflash.target import Target
-from mlx_dflash.tree import DraftTree
+from mlx_dflash.tree import DraftTree, select_tree
 
 
 class BatchTreeOracle(BatchOracle):
@@ -98,6 +98,26 @@ def test_batched_greedy_trees_equal_each_solo_run(family, monkeypatch):
                                             block_size=6, tree=6, copy_drafts=False)
     check_against_solo(model, PROMPTS, outputs, reasons, MAX_TOKENS)
     assert accepted > 0 and any(side)
+
+
+def test_batched_trees_wider_than_the_default_beam_hold_the_nodes_asked_for(monkeypatch):
+    """30 nodes a tree from 5 draft positions (TREE_BEAM paths a level would hold 20)."""
+    sizes = []
+
+    def recorded(*grown):
+        tree = select_tree(*grown)
+        sizes.append(len(tree))
+        return tree
+
+    monkeypatch.setattr(batch, "select_tree", recorded)
+    model = family_model("qwen3")
+    text = Target(model, check=False).model
+    sequences = [p + reference(model, p, n)[0] for p, n in zip(PROMPTS, MAX_TOKENS)]
+    drafter = BatchTreeOracle(make_drafter(text, block_size=6, layer_ids=(0, 1, 3)), sequences)
+    outputs, reasons, _ = run_engine(model, drafter, PROMPTS, MAX_TOKENS, max_batch=3,
+                                     block_size=6, tree=30, copy_drafts=False)
+    check_against_solo(model, PROMPTS, outputs, reasons, MAX_TOKENS)
+    assert sizes and set(sizes) == {30}
 
 
 @pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark", "dspark-gated"])

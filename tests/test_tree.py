@@ -21,6 +21,7 @@ from mlx_dflash import generate, stream_generate
 from mlx_dflash.accept import SamplingParams
 from mlx_dflash.target import Target
 from mlx_dflash.tree import (
+    TREE_BEAM,
     TREE_CANDIDATES,
     DraftTree,
     grow_tree,
@@ -225,6 +226,31 @@ def test_greedy_trees_equal_the_target_on_every_branch(size, monkeypatch):
     assert trees > 0 and accepted > 0
     if size == "auto" or size >= 3:
         assert any(side_branches)
+
+
+def test_a_tree_wider_than_the_default_beam_holds_the_nodes_asked_for(monkeypatch):
+    """30 nodes from a drafter of 5 positions, more than TREE_BEAM paths a level hold (20):
+    the levels keep more paths, the cycle verifies 30 nodes, the output is the target's."""
+    import mlx_dflash.cycle as cycle
+
+    sizes = []
+
+    def recorded(*grown):
+        tree = select_tree(*grown)
+        sizes.append(len(tree))
+        return tree
+
+    monkeypatch.setattr(cycle, "select_tree", recorded)
+    model = make_target("qwen3", seed=2)
+    prompt = [5, 9, 14, 3, 9, 14, 22, 8]
+    want, _ = reference(model, prompt, 24)
+    drafter = TreeOracle(make_drafter(model, block_size=6), prompt + want)
+    assert drafter.max_drafts * TREE_BEAM < 30
+    out = []
+    for r in stream_generate(model, drafter, make_tokenizer(128), prompt, max_tokens=24,
+                             tree=30, copy_drafts=False):
+        out += r.tokens
+    assert out == want and sizes and set(sizes) == {30}
 
 
 def test_greedy_trees_with_a_random_drafter_and_copy_drafts():
