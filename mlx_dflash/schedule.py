@@ -30,6 +30,7 @@ from .drafters.base import Drafter
 from .fingerprint import target_fingerprint
 from .paths import cache_root
 from .target import Target
+from .tree import Calibration
 
 CONTEXTS = (128, 1024)  # verify cost is measured at these context lengths, interpolated
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # ... and at these token counts
@@ -280,14 +281,16 @@ class Scheduler:
         # The same for looked-up blocks (copies, n-gram continuations): a batch's budget
         # weighs them against drafts; a request alone verifies them whole.
         self.lookup_rate, self.lookup_seen = np.full(max_drafts, 0.5), np.zeros(max_drafts)
-        self.confidence: np.ndarray | None = None  # the drafter's last calibrated survival
+        self.confidence: np.ndarray | None = None  # the drafter's last survival scores
+        self.calibration = Calibration()  # ... and how far this request bears them out
         self.plain_cycles = 0
         self.probing = False
 
     def survival(self) -> np.ndarray:
         """a_j, j = 1..max_drafts: the chance that the first j drafts all survive."""
         if self.confidence is not None and len(self.confidence) >= self.max_drafts:
-            return np.cumprod(self.confidence[: self.max_drafts])  # the last cycle's, stale
+            # the last cycle's, stale, as this request's verified drafts bear them out
+            return np.cumprod(self.calibration(self.confidence[: self.max_drafts]))
         return np.cumprod(self.accept_rate)
 
     def memory_cap(self) -> int:
@@ -359,6 +362,8 @@ class Scheduler:
                                                                 8 * self.probe_every)
         if confidence is not None:
             self.confidence = np.asarray(confidence, dtype=np.float64)
+            reached = min(drafted, accepted + 1, len(self.confidence))  # drafts judged
+            self.calibration.observe(self.confidence[:reached], np.arange(reached) < accepted)
 
     def observe_lookup(self, looked_up: int, accepted: int, decay: float = 0.15) -> None:
         """What a looked-up block of ``looked_up`` tokens accepted."""

@@ -231,24 +231,40 @@ def target_choices(logits: mx.array, params: SamplingParams) -> mx.array:
     return sample_rows(logits, uniforms, params.temperature, params.top_k)
 
 
+class Calibration:
+    """A drafter's survival scores (in [0, 1]) corrected by what this request's verify passes
+    showed: the share of scores in the same bucket that survived, the score itself weighing as
+    ``PRIOR`` observations (so a score is taken as it is until the request says otherwise: a
+    drafter calibrated on its training text can be far off on other text)."""
+
+    EDGES = np.array([1e-3, 1e-2, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9])
+    PRIOR = 4.0
+
+    def __init__(self) -> None:
+        self.hits = np.zeros(len(self.EDGES) + 1)
+        self.tries = np.zeros(len(self.EDGES) + 1)
+
+    def __call__(self, scores: np.ndarray) -> np.ndarray:
+        scores = np.asarray(scores, dtype=np.float64)
+        b = np.searchsorted(self.EDGES, scores)
+        return (self.hits[b] + self.PRIOR * scores) / (self.tries[b] + self.PRIOR)
+
+    def observe(self, scores: np.ndarray, survived: np.ndarray) -> None:
+        b = np.searchsorted(self.EDGES, np.asarray(scores, dtype=np.float64))
+        np.add.at(self.tries, b, 1)
+        np.add.at(self.hits, b, np.asarray(survived, dtype=np.float64))
+
+
 class TreeSizer:
     """How many of a grown tree's nodes a cycle verifies (``tree="auto"``): the ``n`` best with
     the most expected committed tokens per second, ``(1 + sum of their survival) / (t_draft +
     t_verify(1 + n))``, the pass times measured (``schedule.PassCosts``). A node's survival is
-    its drafter score calibrated by this request's verified trees: the share of nodes in its
-    score bucket that ended on the accepted path, the score itself weighing as a few nodes."""
-
-    EDGES = np.array([1e-3, 1e-2, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9])
-    PRIOR = 4.0  # the score counts as this many observed nodes
+    its drafter score calibrated by this request's verified trees (:class:`Calibration`: the
+    share of nodes in its score bucket that ended on the accepted path)."""
 
     def __init__(self, costs: Any):
         self.costs = costs
-        self.hits = np.zeros(len(self.EDGES) + 1)
-        self.tries = np.zeros(len(self.EDGES) + 1)
-
-    def survival(self, scores: np.ndarray) -> np.ndarray:
-        b = np.searchsorted(self.EDGES, scores)
-        return (self.hits[b] + self.PRIOR * scores) / (self.tries[b] + self.PRIOR)
+        self.survival = Calibration()
 
     def choose(self, scores: np.ndarray, context: int) -> int:
         gain = np.cumsum(self.survival(np.asarray(scores)))
@@ -260,6 +276,4 @@ class TreeSizer:
         """A verified tree and the rows of its accepted path."""
         on_path = np.zeros(len(tree), dtype=bool)
         on_path[[r - 1 for r in accepted_rows]] = True
-        b = np.searchsorted(self.EDGES, np.asarray(tree.scores))
-        np.add.at(self.tries, b, 1)
-        np.add.at(self.hits, b, on_path)
+        self.survival.observe(tree.scores, on_path)

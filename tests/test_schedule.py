@@ -37,6 +37,23 @@ def test_choices_follow_acceptance_cost_and_memory():
     assert s.choose(7, 100) == 2  # a drafter's calibrated confidence takes precedence
 
 
+def test_confidence_this_request_does_not_bear_out_is_discounted():
+    """A drafter sure of its drafts (0.95 each) whose first draft this request keeps rejecting:
+    after a few such cycles the scheduler stops drafting; where they are borne out it keeps
+    verifying them all."""
+    confident = [0.95] * 7
+    s = Scheduler(COSTS, 7, token_bytes=1 << 20, headroom=lambda: 1 << 40, probe_every=100)
+    s.observe(7, 0, confident)
+    assert s.choose(7, 100) == 7  # one failure: the drafter's word still counts for more
+    for _ in range(20):
+        s.observe(7, 0, confident)  # rejected at once, cycle after cycle
+    assert s.choose(7, 100) == 0
+    s = Scheduler(COSTS, 7, token_bytes=1 << 20, headroom=lambda: 1 << 40)
+    for _ in range(20):
+        s.observe(7, 7, confident)  # all survive
+    assert s.choose(7, 100) == 7
+
+
 def test_measured_costs_have_one_entry_per_block():
     model = make_target("qwen3")
     drafter = make_drafter(model, block_size=4)
