@@ -2,8 +2,9 @@
 
 Per cycle it picks the K that maximises expected tokens per second,
 ``(1 + sum_(j<=K) a_j) / (T_draft + T_verify(1+K, context))``, where ``a_j`` is the chance that
-the first j drafts all survive (the drafter's calibrated confidences where it has them, else the
-recent acceptance rate by position) and the pass times are measured once per model and machine
+the first j drafts all survive (the drafter's calibrated confidences where it has them, as far
+as this request's verified drafts bear them out, else the recent acceptance rate by position)
+and the pass times are measured once per model and machine
 (cached on disk). K = 0 is plain decoding: when speculation does not pay it decodes plainly
 (the drafter's context stays current, it is fed by every verify) and probes again every
 ``probe_every`` cycles. K is also capped by free memory, so a cycle never asks for more than
