@@ -12,7 +12,7 @@ from test_batch import (
 from test_lossless_greedy import reference
 from test_lossless_sampling import V, assert_follows, exact_joint
 from test_schedule import COSTS
-from test_tree import TreeOracle, record_side_branches
+from test_tree import TreeOracle, record_side_branches, record_tree_sizes
 from tiny import make_drafter, make_family_target, make_target, make_tokenizer
 
 import mlx_dflash.batch as batch
@@ -21,7 +21,7 @@ from mlx_dflash.accept import SamplingParams
 from mlx_dflash.batch import BatchEngine
 from mlx_dflash.batch_cache import make_batch_cache
 from mlx_dflash.target import Target
-from mlx_dflash.tree import DraftTree, select_tree
+from mlx_dflash.tree import DraftTree
 
 
 class BatchTreeOracle(BatchOracle):
@@ -87,37 +87,20 @@ def test_a_batched_tree_pass_equals_each_rows_own(family):
         assert mx.allclose(got[i], want[0], atol=1e-3).item(), i
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "qwen3_next"])
-def test_batched_greedy_trees_equal_each_solo_run(family, monkeypatch):
+# 30 nodes from 5 draft positions: more than TREE_BEAM paths a level would hold (20)
+@pytest.mark.parametrize("family,size", [("qwen3", 6), ("gemma3_text", 6), ("qwen3_next", 6),
+                                         ("qwen3", 30)])
+def test_batched_greedy_trees_equal_each_solo_run(family, size, monkeypatch):
     side = record_side_branches(monkeypatch)
+    sizes = record_tree_sizes(monkeypatch, batch)
     model = family_model(family)
     text = Target(model, check=False).model
     sequences = [p + reference(model, p, n)[0] for p, n in zip(PROMPTS, MAX_TOKENS)]
     drafter = BatchTreeOracle(make_drafter(text, block_size=6, layer_ids=(0, 1, 3)), sequences)
     outputs, reasons, accepted = run_engine(model, drafter, PROMPTS, MAX_TOKENS, max_batch=3,
-                                            block_size=6, tree=6, copy_drafts=False)
+                                            block_size=6, tree=size, copy_drafts=False)
     check_against_solo(model, PROMPTS, outputs, reasons, MAX_TOKENS)
-    assert accepted > 0 and any(side)
-
-
-def test_batched_trees_wider_than_the_default_beam_hold_the_nodes_asked_for(monkeypatch):
-    """30 nodes a tree from 5 draft positions (TREE_BEAM paths a level would hold 20)."""
-    sizes = []
-
-    def recorded(*grown):
-        tree = select_tree(*grown)
-        sizes.append(len(tree))
-        return tree
-
-    monkeypatch.setattr(batch, "select_tree", recorded)
-    model = family_model("qwen3")
-    text = Target(model, check=False).model
-    sequences = [p + reference(model, p, n)[0] for p, n in zip(PROMPTS, MAX_TOKENS)]
-    drafter = BatchTreeOracle(make_drafter(text, block_size=6, layer_ids=(0, 1, 3)), sequences)
-    outputs, reasons, _ = run_engine(model, drafter, PROMPTS, MAX_TOKENS, max_batch=3,
-                                     block_size=6, tree=30, copy_drafts=False)
-    check_against_solo(model, PROMPTS, outputs, reasons, MAX_TOKENS)
-    assert sizes and set(sizes) == {30}
+    assert accepted > 0 and any(side) and set(sizes) == {size}
 
 
 @pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark", "dspark-gated"])

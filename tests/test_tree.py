@@ -228,11 +228,8 @@ def test_greedy_trees_equal_the_target_on_every_branch(size, monkeypatch):
         assert any(side_branches)
 
 
-def test_a_tree_wider_than_the_default_beam_holds_the_nodes_asked_for(monkeypatch):
-    """30 nodes from a drafter of 5 positions, more than TREE_BEAM paths a level hold (20):
-    the levels keep more paths, the cycle verifies 30 nodes, the output is the target's."""
-    import mlx_dflash.cycle as cycle
-
+def record_tree_sizes(monkeypatch, module):
+    """A list that gets the size of each tree ``module`` selects."""
     sizes = []
 
     def recorded(*grown):
@@ -240,7 +237,16 @@ def test_a_tree_wider_than_the_default_beam_holds_the_nodes_asked_for(monkeypatc
         sizes.append(len(tree))
         return tree
 
-    monkeypatch.setattr(cycle, "select_tree", recorded)
+    monkeypatch.setattr(module, "select_tree", recorded)
+    return sizes
+
+
+def test_a_tree_wider_than_the_default_beam_holds_the_nodes_asked_for(monkeypatch):
+    """30 nodes from a drafter of 5 positions, more than TREE_BEAM paths a level hold (20):
+    the levels keep more paths, the cycle verifies 30 nodes, the output is the target's."""
+    import mlx_dflash.cycle as cycle
+
+    sizes = record_tree_sizes(monkeypatch, cycle)
     model = make_target("qwen3", seed=2)
     prompt = [5, 9, 14, 3, 9, 14, 22, 8]
     want, _ = reference(model, prompt, 24)
