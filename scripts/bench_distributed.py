@@ -149,6 +149,7 @@ def main() -> None:
     # Before any clock: the scheduler's pass costs (measured by all ranks together, once).
     speculative(model, drafter, tokenizer, [1, 2, 3], 4)
     hidden = model.args.hidden_size
+    sums = {str(n): sum_latency(hidden, n) for n in (1, 8)}
     results = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "device": str(mx.default_device()), "mlx": mx.__version__,
@@ -162,9 +163,9 @@ def main() -> None:
                                "pipeline": "mlx_dflash stream_generate, no drafter"}[split],
                      "messages_per_pass": (2 * len(model.layers) if split == "tensor" else
                                            f"{group.size() - 1} hand-on(s) and 1 gather")},
-        "sum_latency_s": {str(n): sum_latency(hidden, n) for n in (1, 8)},
+        "sum_latency_s": sums,
         # a pass's messages alone (no compute), by the pass's tokens
-        "pass_messages_s": {str(n): (2 * len(model.layers) * sum_latency(hidden, n)
+        "pass_messages_s": {str(n): (2 * len(model.layers) * sums[str(n)]
                                      if split == "tensor" else pipeline_latency(hidden, n))
                             for n in (1, 8)},
         "delays": {},

@@ -1,9 +1,9 @@
 """Speculative decoding with the target split across two ranks (mx.distributed, ring backend
 on this machine, launched with mlx.launch; tensor parallel for qwen3 and llama, pipeline
-parallel for qwen2 and the hybrid qwen3_next, and for llama and gemma3_text, which mlx-lm does
-not pipeline): greedy output equals the single-process plain
-output, seeded sampled output equals the single-process speculative output with that seed,
-and a rank that dies ends the run on the other with a clear error instead of a hang."""
+parallel for qwen2 and the hybrid qwen3_next, and for llama, gemma3_text and gpt_oss, which
+mlx-lm does not pipeline): greedy output equals the single-process plain output, seeded
+sampled output equals the single-process speculative output with that seed, and a rank that
+dies ends the run on the other with a clear error instead of a hang."""
 
 import json
 import os

@@ -131,7 +131,6 @@ def export_drafter(src: str | Path, out: str | Path, to: str, target: str | None
     ``d2t`` / ``t2d``). ``target`` (an mlx-lm model dir or hub id): needed where the layout
     carries the target's weights (speculators' DFlash and DSpark), and to check the export
     against it. Atomic, and loaded back before it is moved into place."""
-
     if to not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {to!r}")
     out = Path(out).expanduser()
