@@ -12,14 +12,15 @@ polls and on a 2-core machine takes a core from the ranks:
 
 The default pair's target is split as ``--split`` says (distributed.shard_target; auto: tensor
 parallel where SmolLM2-135M's 9 query and 3 key-value heads divide among the ranks, as on 3,
-else by layers, as on 2). Every prompt is decoded plainly (plain distributed decoding) and by
-ours with the default settings, back to back, greedy; the outputs must be equal. Plain is
-mlx-lm's own loop on a tensor split (what ``mlx_lm.generate`` does under mlx.launch) and ours
-with no drafter on a split by layers (mlx-lm's llama has no pipeline, so its loop cannot run
-one; ours sends the same messages per token: a hand-on per stage and one gather). ``--delay D``
-adds D seconds to every message between the ranks (distributed.slow_links: each sum over the
-ranks, two per layer per pass, or each hand-on and gather), standing in for a slower link; 0
-runs the split model as it is. Rank 0 writes the figures.
+else by layers, as on 2; ``--pad-heads`` adds heads of zeros until they divide, 12 / 4 on 2
+ranks, so that a tensor split runs on 2). Every prompt is decoded plainly (plain distributed
+decoding) and by ours with the default settings, back to back, greedy; the outputs must be
+equal. Plain is mlx-lm's own loop on a tensor split (what ``mlx_lm.generate`` does under
+mlx.launch) and ours with no drafter on a split by layers (mlx-lm's llama has no pipeline, so
+its loop cannot run one; ours sends the same messages per token: a hand-on per stage and one
+gather). ``--delay D`` adds D seconds to every message between the ranks
+(distributed.slow_links: each sum over the ranks, two per layer per pass, or each hand-on and
+gather), standing in for a slower link; 0 runs the split model as it is. Rank 0 writes the figures.
 """
 
 from __future__ import annotations
@@ -44,9 +45,44 @@ from mlx_dflash.bench import load_prompt_sets
 from mlx_dflash.prompts import encode_prompt
 
 
-def plain(model, tokenizer, prompt: list[int], max_tokens: int, split: str) -> list[int]:
+def pad_heads(model, ranks: int) -> tuple[int, int]:
+    """Give every attention layer heads of zeros until its query and key-value heads divide
+    among ``ranks``, so that a tensor split can be made (SmolLM2-135M: 9 / 3 heads become
+    12 / 4 on 2 ranks). A zero key-value head with its zero query heads adds exactly zero to
+    the layer's output, so the model computes what it did (up to the summation order of the
+    wider projections); the split's cost grows with the padded width. Returns the new counts."""
+    args = model.args
+    heads, kv = args.num_attention_heads, args.num_key_value_heads
+    per_kv = heads // kv
+    new_kv = kv
+    while new_kv % ranks or new_kv * per_kv % ranks:
+        new_kv += 1
+    new_heads = new_kv * per_kv
+    for layer in model.layers:
+        attn = layer.self_attn
+        d = attn.head_dim
+
+        def wider(w: mx.array, extra: int, axis: int) -> mx.array:
+            shape = list(w.shape)
+            shape[axis] = extra
+            return mx.concatenate([w, mx.zeros(shape, w.dtype)], axis=axis)
+
+        for proj, extra in ((attn.q_proj, new_heads - heads), (attn.k_proj, new_kv - kv),
+                            (attn.v_proj, new_kv - kv)):
+            proj.weight = wider(proj.weight, extra * d, 0)
+            if "bias" in proj:
+                proj.bias = wider(proj.bias, extra * d, 0)
+        attn.o_proj.weight = wider(attn.o_proj.weight, (new_heads - heads) * d, 1)
+        attn.n_heads, attn.n_kv_heads = new_heads, new_kv
+    args.num_attention_heads, args.num_key_value_heads = new_heads, new_kv
+    args.head_dim = model.layers[0].self_attn.head_dim
+    mx.eval(model.parameters())
+    return new_heads, new_kv
+
+
+def plain(model, tokenizer, prompt: list[int], max_tokens: int, loop: str) -> list[int]:
     out = []
-    if split == "pipeline":  # ours, no drafter: one pass per token
+    if loop == "ours":  # no drafter: one pass per token
         for r in stream_generate(model, None, tokenizer, prompt, max_tokens=max_tokens):
             out += r.tokens
         return out
@@ -133,6 +169,14 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--split", default="auto", choices=("auto", "tensor", "pipeline"))
+    parser.add_argument("--pad-heads", action="store_true",
+                        help="pad the target's heads with zero heads so that they divide among "
+                             "the ranks (a tensor split on 2 ranks)")
+    parser.add_argument("--plain", default="auto", choices=("auto", "mlx-lm", "ours"),
+                        help="plain decoding's loop (auto: mlx-lm's on a tensor split, ours "
+                             "with no drafter on a split by layers)")
+    parser.add_argument("--also-plain", default=None, choices=("mlx-lm", "ours"),
+                        help="time this plain loop too, after the first (its outputs must equal)")
     parser.add_argument("--delay", type=float, action="append", default=None)
     parser.add_argument("--json", default=None)
     parser.add_argument("--messages-only", action="store_true",
@@ -144,7 +188,15 @@ def main() -> None:
     if group is None:
         sys.exit("run under mlx.launch with 2 or more ranks")
     model, drafter, tokenizer = load_default(progress=distributed.is_root())
+    heads = (model.args.num_attention_heads, model.args.num_key_value_heads)
+    padded_logits_diff = None
+    if args.pad_heads:  # the padded model must compute what the model did
+        probe = mx.array([list(range(1, 33))])
+        before = model(probe)
+        heads = pad_heads(model, group.size())
+        padded_logits_diff = mx.abs(model(probe) - before).max().item()
     split = distributed.shard_target(model, mode=args.split)
+    loop = args.plain if args.plain != "auto" else "mlx-lm" if split == "tensor" else "ours"
     sets = load_prompt_sets(args.prompts, args.limit)
     # Before any clock: the scheduler's pass costs (measured by all ranks together, once).
     speculative(model, drafter, tokenizer, [1, 2, 3], 4)
@@ -159,8 +211,12 @@ def main() -> None:
         "settings": {"max_tokens": args.max_tokens, "limit": args.limit, "greedy": True,
                      "split": {"tensor": "tensor parallel (mlx-lm shard)",
                                "pipeline": "by layers (pipeline)"}[split],
-                     "plain": {"tensor": "mlx-lm stream_generate",
-                               "pipeline": "mlx_dflash stream_generate, no drafter"}[split],
+                     "heads": f"{heads[0]} query / {heads[1]} key-value"
+                              + (" (padded with zero heads)" if args.pad_heads else ""),
+                     "padded_logits_max_diff": padded_logits_diff,
+                     "plain": {"mlx-lm": "mlx-lm stream_generate",
+                               "ours": "mlx_dflash stream_generate, no drafter"}[loop],
+                     "also_plain": args.also_plain,
                      "messages_per_pass": (2 * len(model.layers) if split == "tensor" else
                                            f"{group.size() - 1} hand-on(s) and 1 gather")},
         "sum_latency_s": sums,
@@ -202,8 +258,15 @@ def main() -> None:
                 counter = distributed.slow_links(model, delay)
                 distributed.barrier()
                 tic = time.perf_counter()
-                want = plain(model, tokenizer, prompt, args.max_tokens, split)
+                want = plain(model, tokenizer, prompt, args.max_tokens, loop)
                 row["plain_s"] += time.perf_counter() - tic
+                if args.also_plain:
+                    distributed.barrier()
+                    tic = time.perf_counter()
+                    other = plain(model, tokenizer, prompt, args.max_tokens, args.also_plain)
+                    row["also_plain_s"] = (row.get("also_plain_s", 0.0)
+                                           + time.perf_counter() - tic)
+                    row["differing"] += other != want
                 distributed.barrier()
                 tic = time.perf_counter()
                 got, cycles = speculative(model, drafter, tokenizer, prompt, args.max_tokens)
@@ -218,12 +281,16 @@ def main() -> None:
             row["plain_tps"] = row["tokens"] / row["plain_s"]
             row["spec_tps"] = row["tokens"] / row["spec_s"]
             row["speedup"] = row["spec_tps"] / row["plain_tps"]
+            if args.also_plain:
+                row["also_plain_tps"] = row["tokens"] / row["also_plain_s"]
             row["tokens_per_cycle"] = row["tokens"] / max(row["cycles"], 1)
             if distributed.is_root():
                 print(f"delay {delay * 1e3:g} ms {domain}: plain {row['plain_tps']:.1f} tok/s, "
                       f"speculative {row['spec_tps']:.1f} tok/s ({row['speedup']:.2f}x), "
                       f"{row['tokens_per_cycle']:.2f} tokens/pass, differing "
-                      f"{row['differing']}", flush=True)
+                      f"{row['differing']}" + (f", plain ({args.also_plain}) "
+                                               f"{row['also_plain_tps']:.1f} tok/s"
+                                               if args.also_plain else ""), flush=True)
         results["delays"][f"{delay * 1e3:g} ms"] = rows[delay]
         if delay:
             results["delays"][f"{delay * 1e3:g} ms"]["messages_counted"] = counted[delay]
