@@ -1,9 +1,9 @@
-"""Speculative decoding with the target split across two ranks (mx.distributed, ring backend
-on this machine, launched with mlx.launch; tensor parallel for qwen3 and llama, pipeline
-parallel for qwen2 and the hybrid qwen3_next, and for llama, gemma3_text and gpt_oss, which
-mlx-lm does not pipeline): greedy output equals the single-process plain output, seeded
-sampled output equals the single-process speculative output with that seed, and a rank that
-dies ends the run on the other with a clear error instead of a hang."""
+"""Speculative decoding with the target split across two ranks (mx.distributed, ring backend on
+this machine, launched with mlx.launch; tensor parallel for qwen3 and llama, pipeline parallel
+for qwen2 and the hybrid qwen3_next, and for llama, gemma3_text and gpt_oss, which mlx-lm does
+not pipeline; qwen3_next with its own MTP head too): greedy output equals the single-process
+plain output, seeded sampled output equals the single-process speculative output with that
+seed, and a rank that dies ends the run on the other with a clear error instead of a hang."""
 
 import json
 import os
@@ -14,8 +14,9 @@ import time
 
 import mlx.core as mx
 import pytest
-from distributed_run import BATCH_PROMPTS, FAMILIES, tokens
+from distributed_run import BATCH_PROMPTS, FAMILIES, MTP_FAMILIES, tokens
 from test_lossless_greedy import reference
+from test_mtp import make_mtp
 from tiny import make_drafter, make_target, make_tokenizer
 
 HERE = os.path.dirname(__file__)
@@ -68,6 +69,12 @@ def test_split_targets_decode_as_one_process(two_ranks, family):
     mx.random.seed(7)
     assert got["sampled"] == tokens(model, drafter, max_tokens=24, block_size=4,
                                     temperature=1.0)
+    if family in MTP_FAMILIES:
+        mtp = make_mtp(model)
+        assert got["mtp"] == plain
+        mx.random.seed(7)
+        assert got["mtp_sampled"] == tokens(model, mtp, max_tokens=24, block_size=3,
+                                            temperature=1.0)
     for p, batched, with_trees in zip(BATCH_PROMPTS, got["batch"], got["batch_trees"]):
         want = reference(model, p, 16)[0]
         assert batched == want and with_trees == want
