@@ -58,15 +58,15 @@ def pad_heads(model, ranks: int) -> tuple[int, int]:
     while new_kv % ranks or new_kv * per_kv % ranks:
         new_kv += 1
     new_heads = new_kv * per_kv
+
+    def wider(w: mx.array, extra: int, axis: int) -> mx.array:  # ``extra`` zeros along axis
+        shape = list(w.shape)
+        shape[axis] = extra
+        return mx.concatenate([w, mx.zeros(shape, w.dtype)], axis=axis)
+
     for layer in model.layers:
         attn = layer.self_attn
         d = attn.head_dim
-
-        def wider(w: mx.array, extra: int, axis: int) -> mx.array:
-            shape = list(w.shape)
-            shape[axis] = extra
-            return mx.concatenate([w, mx.zeros(shape, w.dtype)], axis=axis)
-
         for proj, extra in ((attn.q_proj, new_heads - heads), (attn.k_proj, new_kv - kv),
                             (attn.v_proj, new_kv - kv)):
             proj.weight = wider(proj.weight, extra * d, 0)
