@@ -63,6 +63,7 @@ def test_split_targets_decode_as_one_process(two_ranks, family):
     drafter = make_drafter(model, block_size=4)
     got = two_ranks[family]
     plain = tokens(model, None, max_tokens=24)
+    assert len(plain) >= 8, "the tiny target stops at once: the comparisons would be empty"
     assert got["plain"] == plain
     assert got["greedy"] == plain and got["auto"] == plain and got["tree"] == plain
     assert got["chunked"] == plain

@@ -12,10 +12,12 @@ from mlx_dflash.drafters.base import Proposal
 
 
 def reference(model, prompt, max_tokens, stop_ids=(EOS_ID,)):
-    """mlx-lm's greedy decode, cut like mlx_lm.stream_generate (stop token not emitted)."""
+    """mlx-lm's greedy decode, cut like mlx_lm.stream_generate (stop token not emitted). A
+    reply that stops at once is refused: a test comparing it would compare nothing."""
     out = []
     for tok, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
         if tok in stop_ids:
+            assert out, f"the target stops at once after {prompt}: choose another prompt"
             return out, "stop"
         out.append(tok)
     return out, "length"
