@@ -187,16 +187,25 @@ class BatchEngine:
             self._leave()
         return responses
 
+    def prompt_started(self, request_id: int) -> tuple[int, int] | None:
+        """(prompt tokens, tokens continued from the prefix cache) once the request's prefill
+        has begun; None before."""
+        for r in itertools.chain(self.running, [self.joining] if self.joining else []):
+            if r.id == request_id and r.spec is not None:
+                return r.stats.prompt_tokens, r.stats.cached_tokens
+        return None
+
     def _admit(self, responses: list) -> None:
-        """Start waiting requests while they fit, and prefill them: whole while nothing runs,
-        else ``prefill_chunk`` prompt tokens per step; a request whose prompt is in joins."""
-        budget = self.prefill_chunk if self.running else None  # None: no one to stall
+        """Start waiting requests while they fit, and prefill them: ``prefill_step`` prompt
+        tokens a step while nothing runs (a cancelled request leaves between chunks), else
+        ``prefill_chunk``; a request whose prompt is in joins."""
+        budget = self.prefill_chunk if self.running else self.prefill_step
         if self.joining is not None and self.joining.cancelled:
             r, self.joining = self.joining, None
             if r.spec.pair is not None:  # what it prefilled so far is worth keeping
                 r.spec.pair.hold(r.tokens[: r.prefilled])
                 self.store.insert(r.spec.pair)
-        while budget is None or budget > 0:
+        while budget > 0:
             if self.joining is None:
                 if not (self.waiting and len(self.running) < self.max_batch
                         and self._fits(self.waiting[0])):
@@ -205,10 +214,9 @@ class BatchEngine:
                 self._start(self.joining)
             r = self.joining
             left = len(r.tokens) - r.prefilled
-            take = left if budget is None else min(left, budget)
+            take = min(left, budget)
             logits = self._prefill(r, take)
-            if budget is not None:
-                budget -= take
+            budget -= take
             if take < left:
                 return
             self.joining = None

@@ -4,6 +4,7 @@ Messages; streaming), for one or several models, with prefix caches in memory an
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any, List, Optional
 
 import typer
@@ -20,6 +21,16 @@ def _size(option: str, value: str | None) -> int | None:
         return parse_size(value)
     except ValueError as e:
         fail(f"{option}: {e}")
+
+
+def _json_object(option: str, value: str | None) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value) if value else {}
+    except ValueError as e:
+        fail(f"{option}: not valid JSON ({e})")
+    if not isinstance(parsed, dict):
+        fail(f"{option}: expected a JSON object, got {value!r}")
+    return parsed
 
 
 def _entries(models: list[str], drafters: list[str], names: list[str],
@@ -79,6 +90,12 @@ def serve(
     cache_disk: Optional[str] = typer.Option(
         None, "--cache-disk", help="Most bytes of prefix caches on disk, per model (oldest use "
         "out first). Default: no limit."),
+    chat_template_kwargs: Optional[str] = typer.Option(
+        None, "--chat-template-kwargs", help="JSON object passed to every chat template, e.g. "
+        "'{\"enable_thinking\": false}' (a request's own chat_template_kwargs win)."),
+    max_tokens: Optional[int] = typer.Option(
+        None, "--max-tokens", min=1, help="No reply longer than this many tokens, whatever a "
+        "request asks (agents ask for 32000). Default: until the context ends."),
     max_batch: int = typer.Option(
         8, "--max-batch", min=1, help="Requests decoded together (continuous batching, one "
         "verify pass for all); more wait their turn. 1: one at a time."),
@@ -107,6 +124,7 @@ def serve(
     cache = CacheSettings(_size("--cache-memory", cache_memory), cache_dir,
                           _size("--cache-disk", cache_disk))
     entries = _entries(model, drafter, model_name, models_config)
+    template_kwargs = _json_object("--chat-template-kwargs", chat_template_kwargs)
     if distributed.init() is not None:
         _across_machines(budget, cache)
     served = []
@@ -114,13 +132,15 @@ def serve(
         name = entry.name or entry.model or DEFAULT_TARGET_NAME
         load = functools.partial(load_pair, entry.model, entry.drafter, split=split)
         served.append(lazy_model(name, load, block_size=entry.block_size or block_size,
-                                 max_context=max_context))
+                                 max_context=max_context,
+                                 template_kwargs={**template_kwargs,
+                                                  **(entry.chat_template_kwargs or {})}))
         if budget is not None and len(served) > 1 and sum(s.nbytes for s in served) > budget:
             served[-1].model = served[-1].drafter = None  # loaded again on first use
     try:
         server_app = create_app(models=served, model_memory=budget, cache=cache,
                                 api_key=api_key, copy_drafts=copy, max_batch=max_batch,
-                                tree=tree_size)
+                                tree=tree_size, max_tokens_cap=max_tokens)
     except ValueError as e:
         fail(str(e))
     if not distributed.is_root():  # rank 0 serves; this rank runs its engine steps

@@ -1,5 +1,8 @@
-"""The FastAPI application: OpenAI-compatible chat/text completions and Anthropic's Messages API
-over one model worker, for one or several models served by name."""
+"""The FastAPI application: OpenAI's chat and text completions (chat.py) and Responses API
+(responses.py) and Anthropic's Messages API (anthropic.py) over one model worker, for one or
+several models served by name. Each API surface turns its request into a rendered prompt
+(prompts.chat_prompt) and one ``Job`` the worker runs; each shapes the job's events into its
+own wire format, sharing the reply's parsing (reply.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +17,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import __version__
 from ..policy import COPY_DRAFTS
-from .anthropic import MessageShaper, MessagesRequest
+from .anthropic import CountTokensRequest, MessageShaper, MessagesRequest
 from .auth import APIKeyMiddleware
+from .chat import Shaper
 from .errors import APIError, error_response, install_handlers
 from .models import (
     DEFAULT_CONTEXT,  # noqa: F401  (re-exported)
@@ -25,20 +29,15 @@ from .models import (
     context_size,  # noqa: F401  (re-exported)
     served_model,
 )
-from .prompts import (
-    check_context,
-    check_token_ids,
-    chat_prompt_ids,
-    earlier_turns_end,
-    text_prompt_ids,
-)
-from .responses import Shaper
-from .schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from .tools import ToolCalls, template_tools
+from .prompts import ChatPrompt, chat_prompt, check_context, check_token_ids, text_prompt_ids
+from .reply import Reply
+from .responses import ResponseShaper, ResponsesRequest, ResponseStore, conversation
+from .schemas import ChatCompletionRequest, CompletionRequest
+from .tools import template_tools
 from .worker import Delta, Done, Failed, Job, ModelWorker, Started
 
-DEFAULT_MAX_TOKENS = 512  # when a request names no limit (capped by the room left in the context)
 DISCONNECT_POLL_S = 0.25  # how often a request checks that its client is still there
+KEEPALIVE_S = 10.0  # a stream silent this long (a long prefill) gets a ping or an SSE comment
 
 
 def create_app(
@@ -53,7 +52,8 @@ def create_app(
     api_key: str | None = None,
     max_context: int | None = None,
     block_size: int | None = None,
-    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    default_max_tokens: int | None = None,
+    max_tokens_cap: int | None = None,
     copy_drafts: bool = COPY_DRAFTS,
     max_batch: int = 8,
     tree: int | str | None = None,
@@ -62,7 +62,9 @@ def create_app(
     or several ``models`` by name (the first is the default; at most ``model_memory`` bytes of
     weights stay loaded). ``cache``: the prefix caches (default: in memory only).
     ``max_batch``: how many requests decode together (1: one at a time). ``tree``: tree
-    drafts of that many nodes, or "auto" (tree.py), for the model pairs that take them."""
+    drafts of that many nodes, or "auto" (tree.py), for the model pairs that take them.
+    ``default_max_tokens``: a reply's limit when a request names none (None: until the
+    context ends); ``max_tokens_cap``: no reply longer than that, whatever a request asks."""
     if models is None:
         if model_name is None:
             raise ValueError("model_name is required with a single model")
@@ -70,6 +72,7 @@ def create_app(
                                max_context=max_context)]
     pool = ModelPool(models, max_bytes=model_memory, cache=cache)
     worker = ModelWorker(pool, copy_drafts, max_batch, tree)
+    stored = ResponseStore()  # the Responses API's store: true
     created = int(time.time())
 
     @asynccontextmanager
@@ -100,19 +103,27 @@ def create_app(
                            code="model_not_found")
         return found
 
-    def make_job(body: Any, model: ServedModel, ids: list[int], param: str, requested: int | None,
-                 requested_name: str, checkpoints: list[int] | None = None) -> Job:
-        ctx = model.context
-        check_context(len(ids), ctx, param)
-        if requested is not None and requested > ctx:
+    def make_job(body: Any, model: ServedModel, prompt: ChatPrompt, param: str,
+                 requested: int | None, requested_name: str, anthropic: bool = False) -> Job:
+        """The worker's job for ``prompt``: a reply of at most ``requested`` tokens (None: until
+        the context ends), cut to the room the context leaves."""
+        ctx, n = model.context, len(prompt.ids)
+        if anthropic and n >= ctx:  # Anthropic's wording: Claude Code's compaction reads it
+            raise APIError(400, f"prompt is too long: {n} tokens > {ctx - 1} maximum",
+                           param=param)
+        check_context(n, ctx, param)
+        if (requested is not None and requested > ctx and not anthropic
+                and requested_name != "max_output_tokens"):
             raise APIError(400, f"'{requested_name}' is {requested}, more than this model's "
                            f"context size of {ctx} tokens.", param=requested_name,
                            code="invalid_value")
+        room = ctx - n
         return Job(
-            prompt=ids,
-            max_tokens=min(requested or default_max_tokens, ctx - len(ids)),
+            prompt=prompt.ids,
+            max_tokens=min(requested or default_max_tokens or room, room,
+                           max_tokens_cap or room),
             model=model.name,
-            checkpoints=checkpoints or [],
+            checkpoints=prompt.checkpoints,
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
@@ -121,10 +132,11 @@ def create_app(
             loop=asyncio.get_running_loop(),
         )
 
-    def sampling_job(body: SamplingRequest, model: ServedModel, ids: list[int], param: str,
-                     checkpoints: list[int] | None = None) -> Job:
-        requested, name = body.requested_max_tokens()
-        return make_job(body, model, ids, param, requested, name, checkpoints)
+    def render(model: ServedModel, convo: list, tools: list | None, choice: Any,
+               kwargs: dict | None, param: str = "tool_choice") -> ChatPrompt:
+        return chat_prompt(model.tokenizer, convo, tools, tool_choice=choice,
+                           template_kwargs={**model.template_kwargs, **(kwargs or {})},
+                           checkpoints=model.checkpoints, param=param)
 
     async def respond(job: Job, shaper: Any, stream: bool, request: Request) -> Response:
         worker.submit(job)
@@ -133,6 +145,12 @@ def create_app(
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await collect(job, shaper, request)
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> dict[str, Any]:
+        # Agents (Claude Code) probe the base URL before their first request.
+        return {"object": "server", "name": "mlx-dflash", "version": __version__,
+                "models": pool.names}
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -151,18 +169,19 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         model = served(body.model)
-        tools = template_tools(body.tools)
-        ids = chat_prompt_ids(model.tokenizer, body.messages, tools)
-        checkpoints = (earlier_turns_end(model.tokenizer, body.messages, tools, ids)
-                       if model.checkpoints else [])
-        job = sampling_job(body, model, ids, "messages", checkpoints)
+        body.check_supported()
+        prompt = render(model, body.messages, template_tools(body.tools), body.choice(),
+                        body.chat_template_kwargs)
+        requested, name = body.requested_max_tokens()
+        job = make_job(body, model, prompt, "messages", requested, name)
         shaper = Shaper(True, model.name, body.include_usage,
-                        ToolCalls.for_request(model.tokenizer, tools))
+                        Reply(model.tokenizer, prompt.ids, prompt.tools))
         return await respond(job, shaper, body.stream, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         model = served(body.model)
+        body.check_supported()
         prompt = body.single_prompt()
         if prompt is None:
             raise APIError(400, "Only one prompt per request is supported.", param="prompt",
@@ -170,20 +189,50 @@ def create_app(
         ids = text_prompt_ids(model.tokenizer, prompt)
         if isinstance(prompt, list):
             check_token_ids(ids, model.vocab_size)
-        job = sampling_job(body, model, ids, "prompt")
+        requested, name = body.requested_max_tokens()
+        job = make_job(body, model, ChatPrompt(ids), "prompt", requested, name)
         return await respond(job, Shaper(False, model.name, body.include_usage), body.stream,
                              request)
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
         model = served(body.model)
-        convo, tools = body.conversation(), body.template_tools()
-        ids = chat_prompt_ids(model.tokenizer, convo, tools)
-        checkpoints = (earlier_turns_end(model.tokenizer, convo, tools, ids)
-                       if model.checkpoints else [])
-        job = make_job(body, model, ids, "messages", body.max_tokens, "max_tokens", checkpoints)
-        shaper = MessageShaper(model.name, ToolCalls.for_request(model.tokenizer, tools))
+        body.check_supported()
+        prompt = render(model, body.conversation(), body.template_tools(), body.choice(),
+                        body.template_kwargs())
+        job = make_job(body, model, prompt, "messages", body.max_tokens, "max_tokens",
+                       anthropic=True)
+        shaper = MessageShaper(model.name, Reply(model.tokenizer, prompt.ids, prompt.tools))
         return await respond(job, shaper, body.stream, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
+        model = served(body.model)
+        prompt = render(model, body.conversation(), body.template_tools(), body.choice(),
+                        body.template_kwargs())
+        return {"input_tokens": len(prompt.ids)}
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        model = served(body.model)
+        body.check_supported()
+        items = [{"type": "message", "role": "user", "content": body.input}] \
+            if isinstance(body.input, str) else list(body.input)
+        if body.previous_response_id is not None:
+            items = stored.items(body.previous_response_id) + items
+        tools, namespaced = body.template_tools()
+        prompt = render(model, conversation(body.instructions, items), tools, body.choice(),
+                        body.template_kwargs())
+        job = make_job(body, model, prompt, "input", body.max_output_tokens,
+                       "max_output_tokens")
+        keep = (lambda response: stored.put(response, items)) if body.store else None
+        shaper = ResponseShaper(model.name, body, Reply(model.tokenizer, prompt.ids,
+                                                        prompt.tools), namespaced, keep)
+        return await respond(job, shaper, body.stream, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return stored.get(response_id)
 
     return app
 
@@ -195,7 +244,12 @@ async def stream_events(job: Job, shaper: Any, request: Request) -> AsyncIterato
         for event in shaper.open():
             yield event
         while True:
-            event = await job.events.get()
+            try:
+                event = await asyncio.wait_for(job.events.get(), KEEPALIVE_S)
+            except asyncio.TimeoutError:  # a long prefill: keep the client's connection alive
+                for out in shaper.keepalive():
+                    yield out
+                continue
             if isinstance(event, Started):
                 for out in shaper.started(event):
                     yield out

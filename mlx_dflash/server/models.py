@@ -75,6 +75,7 @@ class ServedModel:
     drafter: Any = None
     nbytes: int = 0
     checkpoints: bool = False  # its caches cannot be cut back: store checkpoints
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # every request's, by default
     prefix_cache: PrefixCache | None = field(default=None, repr=False)
 
     @property
@@ -85,23 +86,26 @@ class ServedModel:
 def served_model(
     name: str, model: Any, drafter: Any, tokenizer: Any, *, block_size: int | None = None,
     max_context: int | None = None, load: Loader | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> ServedModel:
-    """A ServedModel from loaded objects (``load``: how to load them again once unloaded)."""
+    """A ServedModel from loaded objects (``load``: how to load them again once unloaded;
+    ``template_kwargs``: the chat template's arguments, e.g. ``enable_thinking``)."""
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     served = ServedModel(name, tokenizer, max_context or context_size(model),
                          getattr(getattr(model, "args", None), "vocab_size", None), block_size,
-                         load)
+                         load, template_kwargs=dict(template_kwargs or {}))
     _attach(served, model, drafter)
     return served
 
 
 def lazy_model(name: str, load: Loader, *, block_size: int | None = None,
-               max_context: int | None = None) -> ServedModel:
+               max_context: int | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> ServedModel:
     """A ServedModel loaded once now (to know its tokenizer and context), unloadable later."""
     model, drafter, tokenizer = load()
     return served_model(name, model, drafter, tokenizer, block_size=block_size,
-                        max_context=max_context, load=load)
+                        max_context=max_context, load=load, template_kwargs=template_kwargs)
 
 
 def _attach(served: ServedModel, model: Any, drafter: Any) -> None:
@@ -188,12 +192,14 @@ class ModelPool:
 @dataclass
 class ModelEntry:
     """One model of a config file: ``{"name": ..., "model": ..., "drafter": ..., "block_size":
-    ...}`` (``model`` null: the default pair; ``drafter`` "none": the target alone)."""
+    ..., "chat_template_kwargs": {...}}`` (``model`` null: the default pair; ``drafter``
+    "none": the target alone)."""
 
     name: str | None
     model: str | None
     drafter: str | None = None
     block_size: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def read_models_config(path: str | Path) -> list[ModelEntry]:
@@ -204,12 +210,16 @@ def read_models_config(path: str | Path) -> list[ModelEntry]:
         raise ValueError(f"{path}: expected a JSON list of models (or {{\"models\": [...]}})")
     entries = []
     for i, item in enumerate(items):
-        if not isinstance(item, dict) or set(item) - {"name", "model", "drafter", "block_size"}:
+        if not isinstance(item, dict) or set(item) - {"name", "model", "drafter", "block_size",
+                                                       "chat_template_kwargs"}:
             raise ValueError(f"{path}: model {i} must be an object with name, model, drafter, "
-                             "block_size")
+                             "block_size, chat_template_kwargs")
         block = item.get("block_size")
         if block is not None and (not isinstance(block, int) or block < 1):
             raise ValueError(f"{path}: model {i}: block_size must be a positive integer")
+        kwargs = item.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"{path}: model {i}: chat_template_kwargs must be an object")
         entries.append(ModelEntry(item.get("name"), item.get("model"), item.get("drafter"),
-                                  block))
+                                  block, kwargs))
     return entries

@@ -41,6 +41,9 @@ class LeadingEngine:
         self.outbox.append(["submit", request_id, list(prompt), sampling])
         return request_id
 
+    def prompt_started(self, request_id: int) -> tuple[int, int] | None:
+        return self.engine.prompt_started(request_id)
+
     def cancel(self, request_id: int) -> None:
         # Not now: cancelling may store the request's caches, which sends messages (a
         # pipeline's sizes are rank 0's) while the other ranks wait for the next step.

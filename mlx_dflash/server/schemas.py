@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic validates them before any work).
 
 Strict types (no "5" for 5, no 1 for true) like the OpenAI API; unknown fields are ignored so
-clients that send extras (``user``, ``logprobs``, ...) still work.
+clients that send extras (``user``, ``metadata``, ...) still work, while a field that would
+change the output in a way the server cannot honour (``logprobs``, penalties, ``n`` > 1,
+``response_format``) gets a 400 that names it (``check_supported``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import json
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from .errors import APIError
 
 # Seeds are reduced mod 2**64 for mx.random.seed; allow the usual signed and unsigned 64-bit range.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -50,6 +54,26 @@ class SamplingRequest(BaseModel):
     seed: Optional[Annotated[Int, Field(ge=SEED_MIN, le=SEED_MAX)]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    logprobs: Optional[Union[bool, Int]] = None
+    top_logprobs: Optional[Int] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    logit_bias: Optional[dict] = None
+    response_format: Optional[dict] = None
+
+    def check_supported(self) -> None:
+        """A 400 naming the first field this server cannot honour (never a silent 200)."""
+        unsupported = [
+            ("logprobs", bool(self.logprobs)), ("top_logprobs", bool(self.top_logprobs)),
+            ("frequency_penalty", bool(self.frequency_penalty)),
+            ("presence_penalty", bool(self.presence_penalty)),
+            ("logit_bias", bool(self.logit_bias)),
+            ("response_format", (self.response_format or {}).get("type", "text") != "text"),
+        ]
+        for name, used in unsupported:
+            if used:
+                raise APIError(400, f"'{name}' is not supported by this server; leave it out.",
+                               param=name, code="unsupported_parameter")
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """(value, parameter name): ``max_completion_tokens`` wins, as in OpenAI's API."""
@@ -68,7 +92,7 @@ class SamplingRequest(BaseModel):
 
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    type: Literal["text"]
+    type: Literal["text", "input_text", "output_text"]
     text: str
 
 
@@ -92,6 +116,7 @@ class ChatMessage(BaseModel):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None  # an assistant turn that called tools
     tool_call_id: Optional[str] = None  # a tool's result answers this call
+    reasoning_content: Optional[str] = None  # an assistant turn's thinking, as agents send it
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -107,6 +132,8 @@ class ChatMessage(BaseModel):
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content:
+            out["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             out["tool_calls"] = [
                 {"id": c.id, "type": "function",
@@ -138,9 +165,27 @@ class ToolSpec(BaseModel):
     function: FunctionSpec
 
 
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: Optional[list[ToolSpec]] = None  # into the chat template; calls come back parsed
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    chat_template_kwargs: Optional[dict] = None  # e.g. {"enable_thinking": false}
+
+    def choice(self) -> str:
+        """tool_choice as prompts.chat_prompt reads it."""
+        c = self.tool_choice
+        return c.function.name if isinstance(c, NamedToolChoice) else (c or "auto")
 
 
 class CompletionRequest(SamplingRequest):

@@ -10,71 +10,61 @@ import logging
 import uuid
 from typing import Any
 
+from .spans import MarkedSpans
+
 log = logging.getLogger("mlx_dflash.server")
 
 
 class ToolCallSplitter:
-    """Separates streamed text into plain text and raw tool calls (``calls``). Text that could be
-    the start of the start marker is held back until the next piece decides it."""
+    """Separates streamed text into plain text and raw tool calls (``calls``)."""
 
-    def __init__(self, start: str, end: str):
-        self.start, self.end = start, end
+    def __init__(self, start: str, end: str, inside: bool = False):
+        self.spans = MarkedSpans(start, end, inside)
         self.calls: list[str] = []
-        self._buf = ""
-        self._in_call = False
+        self._call = ""
 
     def feed(self, text: str) -> str:
         """The plain text that can be emitted now."""
-        self._buf += text
-        out = ""
-        while True:
-            if self._in_call:
-                j = self._buf.find(self.end)
-                if j < 0:
-                    return out
-                self.calls.append(self._buf[:j])
-                self._buf, self._in_call = self._buf[j + len(self.end) :], False
-                continue
-            i = self._buf.find(self.start)
-            if i >= 0:
-                out += self._buf[:i]
-                self._buf, self._in_call = self._buf[i + len(self.start) :], True
-                continue
-            keep = _partial_suffix(self._buf, self.start)
-            out += self._buf[: len(self._buf) - keep]
-            self._buf = self._buf[len(self._buf) - keep :]
-            return out
+        return self._sort(self.spans.feed(text))
 
     def flush(self) -> str:
         """At the end: an unterminated call still counts (mlx-lm's rule); held text is text."""
-        rest, self._buf = self._buf, ""
-        if self._in_call:
-            if rest.strip():
-                self.calls.append(rest)
-            return ""
-        return rest
+        inside = self.spans.inside
+        text = self._sort(self.spans.flush())
+        if inside and self._call.strip():
+            self.calls.append(self._call)
+        self._call = ""
+        return text
 
-
-def _partial_suffix(buf: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(buf)), 0, -1):
-        if buf.endswith(marker[:n]):
-            return n
-    return 0
+    def _sort(self, pieces: list[tuple[str, str]]) -> str:
+        out = ""
+        for kind, piece in pieces:
+            if kind == "out":
+                out += piece
+            elif kind == "in":
+                self._call += piece
+            else:
+                self.calls.append(self._call)
+                self._call = ""
+        return out
 
 
 class ToolCalls:
     """One reply's tool calls: split from the text as it streams, parsed at the end."""
 
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]]):
-        self.splitter = ToolCallSplitter(tokenizer.tool_call_start, tokenizer.tool_call_end)
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]], inside: bool = False):
+        self.splitter = ToolCallSplitter(tokenizer.tool_call_start, tokenizer.tool_call_end,
+                                         inside)
         self.parser, self.tools = tokenizer.tool_parser, tools
 
     @staticmethod
-    def for_request(tokenizer: Any, tools: list[dict[str, Any]] | None) -> ToolCalls | None:
-        """None when the request has no tools or mlx-lm knows no tool-call format for the model."""
+    def for_request(tokenizer: Any, tools: list[dict[str, Any]] | None,
+                    inside: bool = False) -> ToolCalls | None:
+        """None when the request has no tools or mlx-lm knows no tool-call format for the model.
+        ``inside``: the prompt already opened a call (a forced tool choice)."""
         if not tools or not getattr(tokenizer, "has_tool_calling", False):
             return None
-        return ToolCalls(tokenizer, tools)
+        return ToolCalls(tokenizer, tools, inside)
 
     def feed(self, text: str) -> str:
         return self.splitter.feed(text)

@@ -119,6 +119,7 @@ class Engine(Protocol):
     def submit(self, prompt: Sequence[int], **sampling: Any) -> int: ...
     def step(self) -> list[tuple[int, GenerationResponse]]: ...
     def cancel(self, request_id: int) -> None: ...
+    def prompt_started(self, request_id: int) -> tuple[int, int] | None: ...
 
 
 class BatchedEngine(BatchEngine):
@@ -165,6 +166,9 @@ class SequentialEngine:
         request_id = next(self._ids)
         self.waiting.append((request_id, list(prompt), sampling))
         return request_id
+
+    def prompt_started(self, request_id: int) -> tuple[int, int] | None:
+        return None  # known with the first response
 
     def cancel(self, request_id: int) -> None:
         if self.current is not None and self.current[0] == request_id:
@@ -400,6 +404,11 @@ class ModelWorker:
         for request_id, response in responses:
             if (active := self._active.get(request_id)) is not None:
                 self._deliver(request_id, active, response)
+        for request_id, active in self._active.items():
+            # Said as soon as the prefill begins: streams open (and ping) while a long one runs.
+            if not active.started and (counts := engine.prompt_started(request_id)):
+                active.started = True
+                active.job.push(Started(*counts))
 
     def _deliver(self, request_id: int, active: _Active, response: GenerationResponse) -> None:
         job = active.job
