@@ -93,7 +93,8 @@ def create_app(
     app.state.max_context = pool.get(None).context
 
     def model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": created, "owned_by": "mlx-dflash"}
+        return {"id": name, "object": "model", "created": created, "owned_by": "mlx-dflash",
+                "context_length": pool.get(name).context}
 
     def served(name: str) -> ServedModel:
         found = pool.get(name)

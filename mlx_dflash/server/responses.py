@@ -220,7 +220,8 @@ class ResponseStore:
 
 def usage(done: Done) -> dict[str, Any]:
     return {"input_tokens": done.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": done.cached_tokens},
+            "input_tokens_details": {"cached_tokens": done.cached_tokens,
+                                     "cache_write_tokens": 0},
             "output_tokens": done.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": done.prompt_tokens + done.completion_tokens}
