@@ -18,12 +18,11 @@ import httpx
 import openai
 import pytest
 from anthropic.types import RawMessageStreamEvent
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.tool_parsers import json_tools
 from openai.types.responses import ResponseStreamEvent
 from typing import Annotated, get_args, get_origin
 
-from tiny import EOS_ID, make_drafter, make_target, make_tokenizer
+from test_server_cache import tokenizer  # any role anywhere; tools named up front
+from tiny import make_drafter, make_target
 
 from mlx_dflash import batch as batch_mod
 from mlx_dflash import generate
@@ -36,18 +35,12 @@ from mlx_dflash.server.prompts import fold_system_messages
 V = 96
 NAME = "tiny-agents"
 ROLES = "{'system': 'w20', 'user': 'w21', 'assistant': 'w22', 'tool': 'w23'}"
-TEMPLATE = (  # any role anywhere; tools named up front
-    "{% if tools %}w40 {% for t in tools %}{{ t['function']['name'] }} {% endfor %}{% endif %}"
-    "{% for m in messages %}{{ " + ROLES + "[m['role']] }} {{ m['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}w22{% endif %}"
-)
 STRICT_TEMPLATE = (  # a system message first or not at all, as many templates insist
     "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
     "{{ raise_exception('System message must be first') }}{% endif %}"
     "{{ " + ROLES + "[m['role']] }} {{ m['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}w22{% endif %}"
 )
-THINK_START, THINK_END = "w90", "w91"  # stand-ins for <think> and </think>
 
 
 def event_types(union):
@@ -64,21 +57,6 @@ def sse_events(response, types):
     """Each ``data:`` line of a stream, validated as the SDK's class for its type."""
     return [types[kind].model_validate_json(line[6:]) for line in response.iter_lines()
             if line.startswith("data: ") and (kind := json.loads(line[6:])["type"]) != "ping"]
-
-
-def tokenizer(template=TEMPLATE, tool_calling=False, thinking=False):
-    hf = make_tokenizer(V)._tokenizer
-    hf.chat_template = template
-    extra = {}
-    if tool_calling:
-        extra = dict(tool_call_start=json_tools.tool_call_start,
-                     tool_call_end=json_tools.tool_call_end,
-                     tool_parser=json_tools.parse_tool_call)
-    tok = TokenizerWrapper(hf, eos_token_ids=[EOS_ID], **extra)
-    if thinking:
-        tok._think_start, tok._think_end = THINK_START, THINK_END
-        tok._think_start_tokens, tok._think_end_tokens = (90,), (91,)
-    return tok
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +234,7 @@ def test_system_messages_fold_where_the_template_refuses_them():
     assert fold_system_messages(convo) == [
         {"role": "system", "content": "a"}, {"role": "user", "content": "b"},
         {"role": "assistant", "content": "d"}, {"role": "user", "content": "c\n\ne\n\nf\n\ng"}]
-    tok = tokenizer(STRICT_TEMPLATE)
+    tok = tokenizer(template=STRICT_TEMPLATE)
     served = served_model(NAME, make_target("qwen3", vocab_size=V), None, tok)
     with BackgroundServer(create_app(models=[served])) as srv:
         n = an(srv).messages.count_tokens(model=NAME, system="w8", messages=[
@@ -277,7 +255,7 @@ def test_max_tokens_beyond_the_context_is_cut_to_the_room_left(pair):
 
 def test_thinking_comes_back_as_thinking_blocks(monkeypatch):
     pieces = ["w90 w5", " w6 w9", "1 w7 w8"]  # "w90 w5 w6 w91 w7 w8": think, then answer
-    with scripted(monkeypatch, pieces, thinking=True) as srv:
+    with scripted(monkeypatch, pieces, thinking=True) as srv:  # w90 ... w91: thinking
         client = an(srv)
         kw = dict(model=NAME, max_tokens=20, messages=[{"role": "user", "content": "w5"}])
         r = client.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 1024})

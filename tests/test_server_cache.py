@@ -39,15 +39,21 @@ TEMPLATE = (
 SYSTEM = " ".join(f"w{(i * 7 + 3) % 90 + 5}" for i in range(1000))  # 1,000 shared tokens
 
 
-def tokenizer(tool_calling=False):
+def tokenizer(tool_calling=False, template=TEMPLATE, thinking=False):
+    """The tiny tokenizer with ``template``; ``tool_calling``: mlx-lm's JSON tool-call format;
+    ``thinking``: w90 and w91 stand in for <think> and </think>."""
     hf = make_tokenizer(V)._tokenizer
-    hf.chat_template = TEMPLATE
+    hf.chat_template = template
     extra = {}
     if tool_calling:
         extra = dict(tool_call_start=json_tools.tool_call_start,
                      tool_call_end=json_tools.tool_call_end,
                      tool_parser=json_tools.parse_tool_call)
-    return TokenizerWrapper(hf, eos_token_ids=[EOS_ID], **extra)
+    tok = TokenizerWrapper(hf, eos_token_ids=[EOS_ID], **extra)
+    if thinking:
+        tok._think_start, tok._think_end = "w90", "w91"
+        tok._think_start_tokens, tok._think_end_tokens = (90,), (91,)
+    return tok
 
 
 @pytest.fixture(scope="module")
