@@ -34,12 +34,46 @@ class RandomStream:
         return key
 
 
+_MASK64 = 2**64 - 1
+
+
+def _mix(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): a key per position, unrelated across seeds."""
+    x = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class PositionNoise:
+    """A seeded request's Gumbel noise, keyed by the seed and each token's position in the
+    sequence: the target's token at position t is argmax(sampling logits_t + noise_t), an
+    exact draw from its distribution (Gumbel-max) that depends on nothing else. So a seeded
+    reply is the same whatever blocks, drafts, trees or batch neighbours it was decoded with
+    (drafts are accepted where they equal that token)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed % 2**64
+
+    def gumbel(self, position: int, rows: int, vocab: int) -> mx.array:
+        """Noise [rows, vocab] for positions ``position`` .. ``position + rows - 1``."""
+        return mx.stack([mx.random.gumbel((vocab,), key=mx.random.key(_mix(self.seed, p)))
+                         for p in range(position, position + rows)])
+
+
+def seeded(seed: int | None) -> dict:
+    """SamplingParams' random fields for ``seed`` (none: MLX's global key, rejection
+    sampling): drafting draws from its own stream, the target's choices from PositionNoise."""
+    return {} if seed is None else {"random": RandomStream(seed), "noise": PositionNoise(seed)}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     random: RandomStream | None = field(default=None, compare=False)  # None: the global key
+    noise: PositionNoise | None = field(default=None, compare=False)  # seeded target choices
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -83,10 +117,19 @@ def sampling_logits(logits: mx.array, params: SamplingParams) -> mx.array:
     return logprobs * (1.0 / params.temperature)
 
 
-def sample_first(logits: mx.array, params: SamplingParams) -> mx.array:
-    """One token from the target's last-position logits [V] -> [1]."""
+def noisy_logits(logits: mx.array, params: SamplingParams, position: int) -> mx.array:
+    """A seeded request's sampling logits [R, V] plus its noise for rows at ``position``
+    onward: their argmax is the target's choice."""
+    return sampling_logits(logits, params) + params.noise.gumbel(position, *logits.shape)
+
+
+def sample_first(logits: mx.array, params: SamplingParams, position: int = 0) -> mx.array:
+    """One token from the target's last-position logits [V] -> [1] (``position``: the
+    token's index in the sequence, which a seeded request's noise is keyed by)."""
     if params.greedy:
         return mx.argmax(logits, axis=-1, keepdims=True).astype(mx.uint32)
+    if params.noise is not None:
+        return mx.argmax(noisy_logits(logits[None], params, position), axis=-1).astype(mx.uint32)
     token = mx.random.categorical(sampling_logits(logits, params), key=params.key())
     return token[None].astype(mx.uint32)
 
@@ -157,12 +200,16 @@ def rejection_accept(
 
 def accept_block(
     drafts: mx.array, draft_probs: mx.array | CandidateProposal | None, target_logits: mx.array,
-    params: SamplingParams,
+    params: SamplingParams, position: int = 0,
 ) -> tuple[mx.array, mx.array]:
     """The acceptance rule for one verified block: greedy prefix match, rejection sampling when
-    sampling, or (no drafts) a plain sample. Returns (accepted_len [], next_tokens [K+1])."""
+    sampling, or (no drafts) a plain sample; a seeded request's prefix match against its
+    noisy choices (``position``: the index of the token row 0 predicts). Returns
+    (accepted_len [], next_tokens [K+1])."""
     if params.greedy:
         return greedy_accept(drafts, target_logits)
+    if params.noise is not None:
+        return greedy_accept(drafts, noisy_logits(target_logits, params, position))
     if drafts.shape[0] > 0:
         return rejection_accept(drafts, draft_probs, target_logits, params)
     return mx.array(0), sample_first(target_logits[-1], params)

@@ -44,7 +44,7 @@ import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import distributed
-from .accept import RandomStream, SamplingParams, sample_first
+from .accept import SamplingParams, sample_first, seeded
 from .batch_cache import BatchNotSupported, make_batch_cache  # noqa: F401 (re-exported)
 from .cycle import (
     DEFAULT_PREFILL_STEP, DRAFTER, PLAIN, TREE, Cycle, Speculator, TreeCycle, accepted_cycle,
@@ -159,8 +159,7 @@ class BatchEngine:
         samples from its own random stream; ``checkpoints``: see ``decode.continue_from``."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        params = SamplingParams(temperature, top_p, top_k,
-                                None if seed is None else RandomStream(seed))
+        params = SamplingParams(temperature, top_p, top_k, **seeded(seed))
         tokens = encode_prompt(self.tokenizer, prompt)
         stats = GenerationStats(prompt_tokens=len(tokens), block_size=self.width)
         request = _Request(next(self._ids), tokens, params, max_tokens, stats,
@@ -259,7 +258,7 @@ class BatchEngine:
 
     def _join(self, r: _Request, logits: mx.array, responses: list) -> None:
         """The prompt is in: commit the first token and add the request as a batch row."""
-        r.anchor = sample_first(logits, r.params)
+        r.anchor = sample_first(logits, r.params, len(r.tokens))
         r.text.tic = time.perf_counter()
         r.stats.prompt_tps = r.stats.prefilled_tokens / max(r.prefill_s, 1e-9)
         self.cache.add_row(r.spec.cache)
@@ -311,7 +310,8 @@ class BatchEngine:
                      features: mx.array | None) -> Cycle:
         n = p.drafts.shape[0] + 1
         row_features = features[i : i + 1, :n] if features is not None else None
-        return accepted_cycle(r.anchor, p, logits[i, :n], row_features, r.params, source)
+        return accepted_cycle(r.anchor, p, logits[i, :n], row_features, r.params, source,
+                              r.context)
 
     def _tree_pass(self, proposals: list[Proposal | None], trees: dict[int, LazyTree],
                    scores: dict[int, list[float]], plans: list) -> list[Cycle]:
@@ -344,7 +344,7 @@ class BatchEngine:
                 cycles.append(self._chain_cycle(i, r, p, source, logits, features))
                 continue
             tree, n = trees[i], sizes[i]
-            choices = target_choices(logits[i, : n + 1], r.params)
+            choices = target_choices(logits[i, : n + 1], r.params, r.context, depths[i][: n + 1])
             packed = mx.concatenate([choices, tree.tokens.astype(mx.uint32),
                                      (tree.parents + 1).astype(mx.uint32)])
             row_features = features[i : i + 1, : n + 1] if features is not None else None

@@ -110,10 +110,13 @@ def prefill(
 
 
 def accepted_cycle(anchor: mx.array, proposal: Proposal, logits: mx.array,
-                   features: mx.array | None, params: SamplingParams, source: str) -> Cycle:
+                   features: mx.array | None, params: SamplingParams, source: str,
+                   position: int = 0) -> Cycle:
     """The cycle of a verified block: the target's ``logits`` [K+1, V] over ``[anchor] +
-    drafts`` (one row of a batched pass, or a request's own) through the acceptance rule."""
-    accepted_len, next_tokens = accept_block(proposal.drafts, proposal.probs, logits, params)
+    drafts`` (one row of a batched pass, or a request's own) through the acceptance rule
+    (``position``: the index in the sequence of the token after the anchor)."""
+    accepted_len, next_tokens = accept_block(proposal.drafts, proposal.probs, logits, params,
+                                             position)
     packed = mx.concatenate([accepted_len.astype(mx.uint32)[None], proposal.drafts, next_tokens])
     return Cycle(anchor, proposal.drafts.shape[0], source, packed, next_tokens, features,
                  proposal.confidence)
@@ -148,10 +151,12 @@ class Speculator:
                        self.draft_cache, step, progress)
 
     def cycle(self, anchor: mx.array, num_drafts: int, looked_up: Sequence[int] = (),
-              source: str = DRAFTER) -> Cycle:
+              source: str = DRAFTER, position: int = 0) -> Cycle:
         """Build (lazily) one cycle: ``num_drafts`` drafts after ``anchor`` (the looked-up
-        block when one is given), one target pass over them, the acceptance rule."""
-        return self.verify(anchor, self.draft(anchor, num_drafts, looked_up), source)
+        block when one is given), one target pass over them, the acceptance rule.
+        ``position``: the index in the sequence of the token after the anchor (what a seeded
+        request's choices are keyed by)."""
+        return self.verify(anchor, self.draft(anchor, num_drafts, looked_up), source, position)
 
     def draft(self, anchor: mx.array, num_drafts: int, looked_up: Sequence[int] = ()
               ) -> Proposal:
@@ -166,14 +171,17 @@ class Speculator:
         return self.drafter.propose(self.target, anchor, self.draft_cache, self.width,
                                     num_drafts, self.params)
 
-    def verify(self, anchor: mx.array, proposal: Proposal, source: str = DRAFTER) -> Cycle:
+    def verify(self, anchor: mx.array, proposal: Proposal, source: str = DRAFTER,
+               position: int = 0) -> Cycle:
         """One target pass over ``[anchor] + drafts`` on this request's cache, accepted."""
         logits, features = self.target.forward(
             mx.concatenate([anchor, proposal.drafts])[None], self.cache, self.layer_ids)
-        return accepted_cycle(anchor, proposal, logits[0], features, self.params, source)
+        return accepted_cycle(anchor, proposal, logits[0], features, self.params, source,
+                              position)
 
     def tree_cycle(self, anchor: mx.array, size: int,
-                   sizer: Callable[[np.ndarray], int] | None = None) -> TreeCycle:
+                   sizer: Callable[[np.ndarray], int] | None = None,
+                   position: int = 0) -> TreeCycle:
         """A cycle verifying a tree of ``size`` drafted nodes below ``anchor`` (or the first
         ``sizer(scores)`` of them), grown by the drafter (its ``grow_tree``) and chosen on the
         device: with a fixed size the cycle syncs once, as a chain cycle does; a ``sizer``
@@ -183,7 +191,7 @@ class Speculator:
             scores = tree.scores.tolist()
             tree = tree.first(sizer(np.array(scores)))
         choices, features = self.tree_pass(anchor, tree.tokens, tree.depths, tree.visible,
-                                           min(len(tree), self.drafter.max_drafts))
+                                           min(len(tree), self.drafter.max_drafts), position)
         packed = mx.concatenate([choices, tree.tokens.astype(mx.uint32),
                                  (tree.parents + 1).astype(mx.uint32)])
         return TreeCycle(anchor, len(tree), TREE, packed, choices, features,
@@ -196,21 +204,23 @@ class Speculator:
                                        tree_beam(size, self.drafter.max_drafts))
         return select_tree(*grown, size)
 
-    def verify_tree(self, anchor: mx.array, tree: DraftTree, source: str = TREE) -> TreeCycle:
+    def verify_tree(self, anchor: mx.array, tree: DraftTree, source: str = TREE,
+                    position: int = 0) -> TreeCycle:
         """A cycle verifying a tree known on the host; ``source``: TREE (the drafter's) or
         COPY (looked-up branches)."""
         choices, features = self.tree_pass(anchor, mx.array(tree.tokens, dtype=mx.uint32),
-                                           tree.depths(), tree.visible())
+                                           tree.depths(), tree.visible(), position=position)
         return TreeCycle(anchor, len(tree), source, choices, choices, features, tree=tree)
 
     def tree_pass(self, anchor: mx.array, nodes: mx.array, depths: Any, visible: Any,
-                  max_depth: int | None = None) -> tuple[mx.array, mx.array | None]:
+                  max_depth: int | None = None, position: int = 0
+                  ) -> tuple[mx.array, mx.array | None]:
         """One target pass over the anchor and a tree's nodes (a tree mask): the target's
         choice after each row, and the pass's tap features."""
         logits, features = self.target.forward_tree(
             mx.concatenate([anchor, nodes.astype(mx.uint32)])[None], depths, visible,
             self.cache, self.layer_ids, max_depth)
-        return target_choices(logits[0], self.params), features
+        return target_choices(logits[0], self.params, position, depths), features
 
     def feed(self, cycle: Cycle) -> None:
         """Queue all of a cycle's features for the drafter before it is synced (a plain

@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .accept import SamplingParams, sample_first
+from .accept import SamplingParams, sample_first, seeded
 from .cycle import (
     COPY,
     DEFAULT_PREFILL_STEP,
@@ -207,6 +207,7 @@ def stream_generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    seed: int | None = None,
     block_size: int | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     prompt_progress: Any = None,
@@ -218,7 +219,10 @@ def stream_generate(
 ) -> Generator[GenerationResponse, None, None]:
     """Generate from ``prompt`` with speculative decoding; yields one response per cycle.
 
-    ``drafter=None``: the target alone. ``block_size`` fixes the most tokens a cycle verifies
+    ``drafter=None``: the target alone. ``seed``: sampled tokens are a function of the seed and
+    their positions alone (accept.PositionNoise), so the reply is the same whatever the blocks,
+    drafter, trees or lookups; without one, sampling draws from MLX's global key (rejection
+    sampling, the most drafts accepted). ``block_size`` fixes the most tokens a cycle verifies
     (else the scheduler chooses); ``copy_drafts``: blocks looked up from the context too.
     ``tree``: every drafter cycle verifies a tree of that many drafted nodes instead of a
     chain, or with ``"auto"`` as many of TREE_MAX as pay by the measured pass costs (tree.py;
@@ -226,7 +230,7 @@ def stream_generate(
     ``prompt_cache`` (a :class:`PairCache` holding a proper prefix of the prompt) is continued
     from and holds the whole sequence at the end (``tokens`` None if closed early where the
     caches could not be cut back)."""
-    params = SamplingParams(temperature, top_p, top_k)
+    params = SamplingParams(temperature, top_p, top_k, **seeded(seed))
     target, drafter, tokenizer, width = _check_request(model, drafter, tokenizer, max_tokens,
                                                        block_size, schedule)
     if tree is not None:
@@ -250,17 +254,20 @@ def stream_generate(
                 branches = policy.copy_branches(block)
                 if len(branches) > 1:
                     size = TREE_MAX if tree == AUTO else tree
-                    return spec.verify_tree(anchor, DraftTree.of_branches(branches, size), COPY)
+                    return spec.verify_tree(anchor, DraftTree.of_branches(branches, size), COPY,
+                                            position=context)
             if tree and source == DRAFTER:
                 if tree == AUTO:
                     return spec.tree_cycle(anchor, TREE_MAX,
-                                           lambda scores: policy.tree_sizer.choose(scores, context))
-                return spec.tree_cycle(anchor, tree)
-            return spec.cycle(anchor, K, block, source)
+                                           lambda scores: policy.tree_sizer.choose(scores, context),
+                                           position=context)
+                return spec.tree_cycle(anchor, tree, position=context)
+            return spec.cycle(anchor, K, block, source, position=context)
 
         stats.cached_tokens = spec.cached
         tic = time.perf_counter()
-        anchor = sample_first(spec.prefill(tokens, prefill_step_size, prompt_progress), params)
+        anchor = sample_first(spec.prefill(tokens, prefill_step_size, prompt_progress), params,
+                              len(tokens))
         new_tokens = [anchor.item()]
         stats.prompt_tps = stats.prefilled_tokens / (time.perf_counter() - tic)
         out.tic = time.perf_counter()

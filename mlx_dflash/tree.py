@@ -219,12 +219,18 @@ def independent(logits: mx.array, width: int, vocab_ids: mx.array | None, beam: 
                      ids, beam)
 
 
-def target_choices(logits: mx.array, params: SamplingParams) -> mx.array:
+def target_choices(logits: mx.array, params: SamplingParams, position: int = 0,
+                   depths: Any = None) -> mx.array:
     """The target's token after each row of a tree pass ([N+1, V] -> [N+1]): its argmax, or
     one independent draw per row from what plain decoding samples from (a Metal kernel each
-    where there is one: kernels.argmax_rows, kernels.sample_rows)."""
+    where there is one: kernels.argmax_rows, kernels.sample_rows). A seeded request's row at
+    depth d takes the noise of position ``position + d`` (accept.PositionNoise)."""
     if params.greedy:
         return argmax_rows(logits)
+    if params.noise is not None:
+        table = params.noise.gumbel(position, *logits.shape)  # one row per depth
+        noise = table[mx.array(depths) if depths is not None else mx.arange(logits.shape[0])]
+        return argmax_rows(sampling_logits(logits, params) + noise)
     uniforms = mx.random.uniform(shape=(logits.shape[0],), key=params.key())
     if 0 < params.top_p < 1.0:  # top-p stays in MLX ops, as in rejection_accept
         return sample_rows(sampling_logits(logits, params), uniforms)

@@ -68,22 +68,30 @@ def test_a_seeded_request_draws_from_its_own_stream():
     assert sample(3) == alone
 
 
-def test_a_seeded_request_alone_draws_what_generate_draws():
-    """Alone and scheduled, a seeded request plans its cycles as ``generate`` does (no lookup
-    right after a plain cycle, as generate's pipelined plain cycles have it), so it samples
-    exactly what ``generate`` samples after ``mx.random.seed`` with that seed."""
+def test_a_seeded_reply_depends_on_its_seed_alone():
+    """A seeded request's tokens are a function of the seed and their positions (Gumbel-max
+    with position-keyed noise): the same reply from plain decoding, any block size, lookups
+    on or off, and the batch engine alone or beside other requests."""
     model = make_target("qwen3", vocab_size=64)
     drafter = make_drafter(model, block_size=4)
     tok = make_tokenizer(64)
     prompt = "w5 w6 w7 w5 w6"  # repeats: copy drafts come and go
-    for seed in range(6):
+    kw = dict(max_tokens=24, temperature=1.0)
+    for seed in range(4):
+        plain = generate(model, None, tok, prompt, seed=seed, **kw)
+        assert generate(model, drafter, tok, prompt, seed=seed, **kw) == plain
+        assert generate(model, drafter, tok, prompt, seed=seed, block_size=2,
+                        copy_drafts=False, **kw) == plain
         engine = BatchEngine(model, drafter, tok)
-        rid = engine.submit(prompt, max_tokens=24, temperature=1.0, seed=seed)
-        text = ""
+        others = [engine.submit(p, max_tokens=16, temperature=0.8) for p in ("w9 w8", "w7")]
+        rid = engine.submit(prompt, seed=seed, **kw)
+        texts = {i: "" for i in (*others, rid)}
         while not engine.idle:
-            text += "".join(r.text for i, r in engine.step() if i == rid)
-        mx.random.seed(seed)
-        assert text == generate(model, drafter, tok, prompt, max_tokens=24, temperature=1.0)
+            for i, r in engine.step():
+                texts[i] += r.text
+        assert texts[rid] == plain
+    # Another seed, another reply.
+    assert generate(model, None, tok, prompt, seed=9, **kw) != plain
 
 
 def test_a_long_prompt_joins_over_several_steps_while_the_others_decode():

@@ -122,3 +122,25 @@ def test_sampled_distribution_matches_target(temperature, top_p, top_k):
         drafter.draft_logits(target, mx.array([t1], dtype=mx.uint32), dcache, 4)[0], params))
     p2 = joint[t1].sum(axis=1) / joint[t1].sum()
     assert 0.5 * np.abs(np.array(q) - p2).sum() > 0.1
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.8, 3)])
+def test_seeded_samples_follow_the_target(temperature, top_p, top_k):
+    """Seeded requests (Gumbel-max with noise keyed by seed and position) sample the target's
+    exact joint too: one run per seed, with the drafter's blocks and trees."""
+    model = make_target("qwen3", vocab_size=V, hidden_size=32, num_layers=2, scale=1.5)
+    drafter = make_drafter(model, block_size=4, layer_ids=(0, 1), mask_token_id=2, seed=7)
+    joint, marginal4 = exact_joint(model, SamplingParams(temperature, top_p, top_k))
+    tok = make_tokenizer(V, eos_id=V)
+    counts, counts4, accepted = np.zeros((V, V, V)), np.zeros(V), 0
+    for seed in range(N_SAMPLES):
+        out = []
+        for r in stream_generate(model, drafter, tok, PROMPT, max_tokens=4, seed=seed,
+                                 temperature=temperature, top_p=top_p, top_k=top_k,
+                                 block_size=4, copy_drafts=False, tree=3 if seed % 2 else None):
+            out += r.tokens
+            accepted += r.accepted
+        counts[out[0], out[1], out[2]] += 1
+        counts4[out[3]] += 1
+    assert_follows(counts, counts4, joint, marginal4)
+    assert accepted > 0

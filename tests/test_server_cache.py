@@ -69,9 +69,7 @@ def chat_ids(tok, user, system=SYSTEM):
 
 
 def reference(pair, ids, max_tokens, seed=None, **kw):
-    if seed is not None:
-        mx.random.seed(seed)
-    return generate(*pair, ids, max_tokens=max_tokens, **kw)
+    return generate(*pair, ids, max_tokens=max_tokens, seed=seed, **kw)
 
 
 def chat(client, user, max_tokens=12, **kw):

@@ -163,7 +163,7 @@ def chat(
         reply, last = [], None
         gen = stream_generate_cached(
             conversation, target, draft, tokenizer, prompt, take=True, max_tokens=max_tokens,
-            temperature=temp, top_p=top_p, top_k=top_k, block_size=block_size,
+            temperature=temp, top_p=top_p, top_k=top_k, seed=seed, block_size=block_size,
             prompt_progress=progress, copy_drafts=copy, tree=tree_size,
         )
         try:

@@ -65,7 +65,7 @@ def generate(
     last, progress = None, PrefillProgress() if speak else None
     responses = stream_generate(
         target, draft, tokenizer, chat_prompt(tokenizer, text, not no_chat_template),
-        max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k,
+        max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
         block_size=block_size, prompt_progress=progress, copy_drafts=copy,
         tree=tree_size,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from typing import Any, List, Optional
 
 import typer
@@ -146,12 +147,23 @@ def serve(
     if not distributed.is_root():  # rank 0 serves; this rank runs its engine steps
         _follow(server_app.state.worker)
         return
+    _log_to_stderr(log_level)
     names = ", ".join(f"'{s.name}'" for s in served)
     typer.secho(f"Serving {names} at http://{host}:{port}/v1"
                 + (" (API key required)" if api_key else ""), fg=typer.colors.CYAN, err=True)
     # A bounded graceful shutdown: on Ctrl-C, open streams get 5 s, then they are cancelled.
     uvicorn.run(server_app, host=host, port=port, log_level=log_level,
                 timeout_graceful_shutdown=5)
+
+
+def _log_to_stderr(level: str) -> None:
+    """The package's own log lines (one per request, model loads) beside uvicorn's."""
+    logger = logging.getLogger("mlx_dflash")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
 
 
 def _across_machines(budget: int | None, cache: Any) -> None:

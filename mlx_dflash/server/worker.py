@@ -194,9 +194,7 @@ class SequentialEngine:
     def _start(self, prompt: list[int], *, seed: int | None, checkpoints: list[int],
                **kwargs: Any) -> Iterator[GenerationResponse]:
         served = self.served
-        if seed is not None:
-            mx.random.seed(seed % 2**64)
-        kwargs.update(block_size=served.block_size, copy_drafts=self.copy_drafts,
+        kwargs.update(seed=seed, block_size=served.block_size, copy_drafts=self.copy_drafts,
                       tree=self.tree)
         args = (served.model, served.drafter, served.tokenizer, prompt)
         if served.prefix_cache is None:
@@ -427,7 +425,13 @@ class ModelWorker:
             self._engine.cancel(request_id)  # it leaves (and stores its caches) next step
         del self._active[request_id]
         job.outcome = "done"
-        job.push(_done(reason, response.stats, len(job.prompt), active.stops.matched))
+        done = _done(reason, response.stats, len(job.prompt), active.stops.matched)
+        log.info("'%s': %d prompt tokens (%d cached), %d generated, %.1f tokens/s, mean "
+                 "acceptance %.2f, finish %s", job.model or self.pool.default,
+                 done.prompt_tokens, done.cached_tokens, done.completion_tokens,
+                 done.dflash.get("tokens_per_second", 0.0),
+                 done.dflash.get("mean_acceptance_length", 0.0), reason)
+        job.push(done)
 
     def _count(self) -> None:
         engine = self._engine
