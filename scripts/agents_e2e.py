@@ -2,8 +2,9 @@
 
 Starts one server (``--max-context 32768``: the agents' prompts are beyond SmolLM2's 8k), then
 through ``mlx-dflash launch AGENT --url ...`` runs each agent found on PATH for a turn and a
-second turn of the same conversation (resumed): Claude Code (``claude -p``, then ``-c -p``)
-and Codex (``codex exec``, then ``exec resume --last``), in two profiles:
+second turn of the same conversation (resumed): Claude Code (``claude -p``, then ``-c -p``),
+Codex (``codex exec``, then ``exec resume --last``) and opencode (``opencode run``, then
+``run --continue``), in two profiles:
 
 - ``full``: the agents as they ship (10-20k tokens of system prompt and tools). SmolLM2-135M
   was trained on 8k tokens and rambles past them until the server's ``--max-tokens``, which
@@ -11,10 +12,13 @@ and Codex (``codex exec``, then ``exec resume --last``), in two profiles:
   understood (no 4xx / 5xx) and that the second turn reuses the first turn's tokens.
 - ``short``: the agents' own flags shrink their prompts to what the model can read (Claude
   Code ``--system-prompt`` and ``--tools ""``; Codex ``model_instructions_file`` without its
-  multi-agent and web-search tools, about 3k tokens): here every turn must also exit 0.
+  multi-agent and web-search tools, about 3k tokens; opencode's prompt is about 2k tokens
+  as it ships, since SmolLM2's chat template leaves tools out): here every turn must also
+  exit 0.
 
 Writes a JSON summary (``--out``). The agents install from npm (``npm install
-@anthropic-ai/claude-code @openai/codex``; put their ``node_modules/.bin`` on PATH).
+@anthropic-ai/claude-code @openai/codex opencode-ai``; put their ``node_modules/.bin`` on
+PATH).
 
     python scripts/agents_e2e.py --out results/agents_e2e_2026-12-06.json
 """
@@ -44,6 +48,8 @@ SHORT_SYSTEM = "You are a concise assistant. Answer in one short sentence."
 
 def turns(agent: str, profile: str, work: Path) -> list[list[str]]:
     """The agent's arguments for the first and the resumed second turn."""
+    if agent == "opencode":
+        return [["run", PROMPTS[0]], ["run", "--continue", PROMPTS[1]]]
     if agent == "claude":
         short = ["--system-prompt", SHORT_SYSTEM, "--tools", ""] if profile == "short" else []
         return [["-p", PROMPTS[0], "--output-format", "json", *short],
@@ -60,6 +66,8 @@ def turns(agent: str, profile: str, work: Path) -> list[list[str]]:
 
 def usage(agent: str, stdout: str) -> dict:
     """(input, cached input, output) tokens of the turn, as the agent reports them."""
+    if agent == "opencode":
+        return {}  # it prints the reply only; the server's log has the counts
     if agent == "claude":
         u = json.loads(stdout.strip().splitlines()[-1]).get("usage", {})
         return {"input": u.get("input_tokens", 0) + u.get("cache_read_input_tokens", 0),
@@ -91,7 +99,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--max-tokens", type=int, default=256,
                     help="the server's longest reply (the tiny model rambles at 10k tokens)")
-    ap.add_argument("--agents", nargs="+", default=["claude", "codex"])
+    ap.add_argument("--agents", nargs="+", default=["claude", "codex", "opencode"])
     ap.add_argument("--profiles", nargs="+", default=["short", "full"],
                     choices=["short", "full"])
     ap.add_argument("--out", help="write the summary here (JSON)")

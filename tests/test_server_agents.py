@@ -375,3 +375,34 @@ def test_leaving_during_prefill_frees_the_engine_within_a_chunk(pair, monkeypatc
             time.sleep(0.05)
         assert jobs[-1].outcome == "cancelled"
         assert len(chunks) < 16, chunks  # it left after a few chunks, not at the end
+
+
+def test_a_long_prefill_streams_message_start_and_pings(pair, monkeypatch):
+    """message_start goes out when the prefill begins, then pings keep the stream alive."""
+    from mlx_dflash.server import app as app_mod
+
+    real_prefill = batch_mod.prefill
+
+    def slow_prefill(target, tokens, *args):
+        time.sleep(0.1)
+        return real_prefill(target, tokens, *args)
+
+    monkeypatch.setattr(batch_mod, "prefill", slow_prefill)
+    monkeypatch.setattr(app_mod, "KEEPALIVE_S", 0.05)
+    init = worker_mod.BatchedEngine.__init__
+
+    def small_steps(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.prefill_step = 32
+
+    monkeypatch.setattr(worker_mod.BatchedEngine, "__init__", small_steps)
+    content = " ".join(f"w{5 + i % 80}" for i in range(300))
+    with BackgroundServer(create_app(*pair, model_name=NAME)) as srv:
+        with httpx.stream("POST", f"{srv.url}/v1/messages", json={
+                "model": NAME, "max_tokens": 3, "stream": True,
+                "messages": [{"role": "user", "content": content}]}) as r:
+            kinds = [line[len("event: "):] for line in r.iter_lines()
+                     if line.startswith("event: ")]
+    first_block = kinds.index("content_block_start")
+    assert kinds[0] == "message_start" and kinds[1:first_block].count("ping") >= 2
+    assert kinds[-1] == "message_stop"
