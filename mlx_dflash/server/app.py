@@ -147,7 +147,7 @@ def create_app(
                                      headers={"Cache-Control": "no-cache"})
         return await collect(job, shaper, request)
 
-    @app.api_route("/", methods=["GET", "HEAD"])
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def root() -> dict[str, Any]:
         # Agents (Claude Code) probe the base URL before their first request.
         return {"object": "server", "name": "mlx-dflash", "version": __version__,
@@ -221,9 +221,13 @@ def create_app(
             if isinstance(body.input, str) else list(body.input)
         if body.previous_response_id is not None:
             items = stored.items(body.previous_response_id) + items
-        tools, namespaced = body.template_tools()
-        prompt = render(model, conversation(body.instructions, items), tools, body.choice(),
-                        body.template_kwargs())
+        try:  # items and tools are free-form JSON: a malformed one is the client's error
+            tools, namespaced = body.template_tools()
+            convo = conversation(body.instructions, items)
+        except (AttributeError, TypeError, KeyError) as e:
+            raise APIError(400, f"Malformed 'input' or 'tools': {type(e).__name__}: {e}.",
+                           param="input") from e
+        prompt = render(model, convo, tools, body.choice(), body.template_kwargs())
         job = make_job(body, model, prompt, "input", body.max_output_tokens,
                        "max_output_tokens")
         keep = (lambda response: stored.put(response, items)) if body.store else None
