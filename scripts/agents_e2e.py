@@ -99,6 +99,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--max-tokens", type=int, default=256,
                     help="the server's longest reply (the tiny model rambles at 10k tokens)")
+    ap.add_argument("--temp", type=float, default=0.0,
+                    help="the server's temperature for requests that name none (the agents "
+                         "name none): greedy makes the run repeatable")
     ap.add_argument("--agents", nargs="+", default=["claude", "codex", "opencode"])
     ap.add_argument("--profiles", nargs="+", default=["short", "full"],
                     choices=["short", "full"])
@@ -107,7 +110,8 @@ def main() -> None:
     url = f"http://127.0.0.1:{args.port}"
     log_path = Path(tempfile.mkdtemp(prefix="agents-e2e-")) / "serve.log"
     serve = [sys.executable, "-m", "mlx_dflash.cli", "serve", "--port", str(args.port),
-             "--max-context", "32768", "--max-tokens", str(args.max_tokens)]
+             "--max-context", "32768", "--max-tokens", str(args.max_tokens),
+             "--temp", str(args.temp)]
     server = subprocess.Popen(serve, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
     results = []
     try:

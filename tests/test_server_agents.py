@@ -244,6 +244,21 @@ def test_system_messages_fold_where_the_template_refuses_them():
                                             add_generation_prompt=True))
 
 
+def test_the_server_temperature_for_requests_that_name_none(pair):
+    want, _ = reference(pair, [{"role": "user", "content": "w5 w6"}], 8)
+    with BackgroundServer(create_app(*pair, model_name=NAME, default_temperature=0.0)) as srv:
+        r = an(srv).messages.create(model=NAME, max_tokens=8,  # as agents: no temperature
+                                    messages=[{"role": "user", "content": "w5 w6"}])
+        assert r.content[0].text == want
+        named = oa(srv).chat.completions.create(  # a request's own temperature wins
+            model=NAME, max_tokens=8, temperature=1.0, seed=3,
+            messages=[{"role": "user", "content": "w5 w6"}])
+    ids = pair[2].apply_chat_template([{"role": "user", "content": "w5 w6"}],
+                                      add_generation_prompt=True)
+    assert named.choices[0].message.content == generate(*pair, ids, max_tokens=8,
+                                                        temperature=1.0, seed=3)
+
+
 def test_max_tokens_beyond_the_context_is_cut_to_the_room_left(pair):
     with BackgroundServer(create_app(*pair, model_name=NAME, max_context=40)) as srv:
         with an(srv).messages.stream(model=NAME, max_tokens=32000, extra_body={

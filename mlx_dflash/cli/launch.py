@@ -122,6 +122,9 @@ def launch(
         "10-30k tokens of prompt)."),
     max_tokens: Optional[int] = typer.Option(
         None, "--max-tokens", min=1, help="The started server's longest reply."),
+    temp: Optional[float] = typer.Option(
+        None, "--temp", min=0.0, max=2.0, help="The started server's temperature for "
+        "requests that name none (agents send none)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MLX_DFLASH_API_KEY"),
 ) -> None:
     """Run a coding agent (Claude Code, Codex, opencode) against the server: arguments after
@@ -141,6 +144,7 @@ def launch(
         serve_args += [a for d in drafter or [] for a in ("--drafter", d)]
         serve_args += ["--max-context", str(max_context)] if max_context else []
         serve_args += ["--max-tokens", str(max_tokens)] if max_tokens else []
+        serve_args += ["--temp", str(temp)] if temp is not None else []
         serve_args += ["--api-key", api_key] if api_key else []
         log_path = Path(tempfile.gettempdir()) / f"mlx-dflash-serve-{port}.log"
         server = _start_server(port, serve_args, log_path)

@@ -94,6 +94,9 @@ def serve(
     chat_template_kwargs: Optional[str] = typer.Option(
         None, "--chat-template-kwargs", help="JSON object passed to every chat template, e.g. "
         "'{\"enable_thinking\": false}' (a request's own chat_template_kwargs win)."),
+    temp: Optional[float] = typer.Option(
+        None, "--temp", min=0.0, max=2.0, help="Sampling temperature for requests that name "
+        "none (agents send none). Default: each API's own, 1.0."),
     max_tokens: Optional[int] = typer.Option(
         None, "--max-tokens", min=1, help="No reply longer than this many tokens, whatever a "
         "request asks (agents ask for 32000). Default: until the context ends."),
@@ -141,7 +144,8 @@ def serve(
     try:
         server_app = create_app(models=served, model_memory=budget, cache=cache,
                                 api_key=api_key, copy_drafts=copy, max_batch=max_batch,
-                                tree=tree_size, max_tokens_cap=max_tokens)
+                                tree=tree_size, max_tokens_cap=max_tokens,
+                                default_temperature=temp)
     except ValueError as e:
         fail(str(e))
     if not distributed.is_root():  # rank 0 serves; this rank runs its engine steps

@@ -54,6 +54,7 @@ def create_app(
     block_size: int | None = None,
     default_max_tokens: int | None = None,
     max_tokens_cap: int | None = None,
+    default_temperature: float | None = None,
     copy_drafts: bool = COPY_DRAFTS,
     max_batch: int = 8,
     tree: int | str | None = None,
@@ -64,7 +65,9 @@ def create_app(
     ``max_batch``: how many requests decode together (1: one at a time). ``tree``: tree
     drafts of that many nodes, or "auto" (tree.py), for the model pairs that take them.
     ``default_max_tokens``: a reply's limit when a request names none (None: until the
-    context ends); ``max_tokens_cap``: no reply longer than that, whatever a request asks."""
+    context ends); ``max_tokens_cap``: no reply longer than that, whatever a request asks;
+    ``default_temperature``: for requests that name none (None: each API's own default, 1.0;
+    agents send none)."""
     if models is None:
         if model_name is None:
             raise ValueError("model_name is required with a single model")
@@ -125,7 +128,8 @@ def create_app(
                            max_tokens_cap or room),
             model=model.name,
             checkpoints=prompt.checkpoints,
-            temperature=body.temperature,
+            temperature=(body.temperature if default_temperature is None
+                         or "temperature" in body.model_fields_set else default_temperature),
             top_p=body.top_p,
             top_k=body.top_k,
             seed=body.seed,
