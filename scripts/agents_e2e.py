@@ -1,23 +1,24 @@
 """The real coding agents, end to end, against `mlx-dflash serve` with the default pair.
 
-Starts one server (``--max-context 32768``: the agents' prompts are beyond SmolLM2's 8k), then
+Starts one server (``--max-context 32768``, as ``launch`` does: agents' prompts grow past 8k
+tokens over a session; ``--temp 0.6`` for the requests that name none, as agents send), then
 through ``mlx-dflash launch AGENT --url ...`` runs each agent found on PATH for a turn and a
 second turn of the same conversation (resumed): Claude Code (``claude -p``, then ``-c -p``),
 Codex (``codex exec``, then ``exec resume --last``) and opencode (``opencode run``, then
 ``run --continue``), in two profiles:
 
-- ``full``: the agents as they ship (Claude Code's prompt is 14k tokens of instructions,
-  Codex's 10k; SmolLM2's chat template leaves their tools out). SmolLM2-135M
-  was trained on 8k tokens and rambles past them until the server's ``--max-tokens``, which
-  the agents report as an error (exit 1): what is checked here is that every request is
-  understood (no 4xx / 5xx) and that the second turn reuses the first turn's tokens.
+- ``full``: the agents as they ship (with SmolLM2's chat template, which leaves tools out,
+  Claude Code's first request is 3.1k tokens and Codex's 4.6k; with a template that renders
+  tools they are 10-15k). SmolLM2-135M often rambles after these instructions until the
+  server's ``--max-tokens``, which Claude Code and Codex report as an error (exit 1): what is
+  checked here is that every request is understood (no 4xx / 5xx) and that the second turn
+  continues from the first turn's tokens.
 - ``short``: the agents' own flags shrink their prompts to what the model can read (Claude
   Code ``--system-prompt`` and ``--tools ""``; Codex ``model_instructions_file`` without its
   multi-agent and web-search tools, about 800 tokens; opencode's prompt is about 2k tokens
   as it ships): here both turns of a session must also exit 0, in at least one of
-  ``--sessions`` sessions per agent (at the APIs' default
-  temperature, 1.0, the tiny model sometimes rambles to the cap here too; every session is
-  recorded).
+  ``--sessions`` sessions per agent (the tiny model sometimes rambles to the cap here too;
+  every session is recorded).
 
 Writes a JSON summary (``--out``). The agents install from npm (``npm install
 @anthropic-ai/claude-code @openai/codex opencode-ai``; put their ``node_modules/.bin`` on
@@ -100,11 +101,12 @@ def wait_ready(url: str, server: subprocess.Popen, timeout: float = 600) -> None
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=8123)
-    ap.add_argument("--max-tokens", type=int, default=256,
-                    help="the server's longest reply (the tiny model rambles at 10k tokens)")
-    ap.add_argument("--temp", type=float, default=None,
+    ap.add_argument("--max-tokens", type=int, default=512,
+                    help="the server's longest reply (the tiny model sometimes rambles)")
+    ap.add_argument("--temp", type=float, default=0.6,
                     help="the server's temperature for requests that name none (the agents "
-                         "name none; default: the APIs' own, 1.0)")
+                         "name none); at the APIs' default, 1.0, SmolLM2-135M rambles to the "
+                         "cap in most of Codex's turns (results/agents_e2e_2026-12-06_temp1.json)")
     ap.add_argument("--sessions", type=int, default=3,
                     help="two-turn sessions per agent in the short profile (the tiny model "
                          "sometimes rambles to --max-tokens: each session is recorded)")
