@@ -7,9 +7,10 @@ a short user turn; greedy, so every completed reply must equal that conversation
 `/v1/messages` in turn, streamed or not; every fifth is a client that leaves: a stream closed
 after its first events, or a non-streamed request dropped after 0.3 s (mid-prefill when its
 prompt is new). Checks: every request ends (a reply, or a cancellation that the server sees:
-/health back to 0 pending), no 5xx, every reply equal to its solo run, and the server's memory
-(RSS) after the run within 5% of its level after the solo runs (the prefix cache is bounded by
---cache-memory, so it is full by then).
+/health back to 0 pending), no 5xx, every reply equal to its solo run, and the server's MLX
+memory (/health: weights, caches, the prefix cache) after the run within 5% of its level after
+the solo runs (the prefix cache is bounded by --cache-memory, so it is full by then). The
+process's RSS is reported beside it.
 
     python scripts/soak_server.py --requests 300 --out results/soak_server_2026-12-06.json
 """
@@ -150,7 +151,7 @@ def main() -> None:
     try:
         wait_ready(url, server)
         solo = {task: run_one(url, "chat", task, False, False)["text"] for task in TASKS}
-        rss_before = rss_bytes(server.pid)
+        rss_before, health_before = rss_bytes(server.pid), httpx.get(url + "/health").json()
         plan = [(("chat", "responses", "messages")[i % 3], rng.choice(TASKS), rng.random() < 0.5,
                  i % 5 == 4) for i in range(args.requests)]
         tic = time.perf_counter()
@@ -174,20 +175,22 @@ def main() -> None:
                 break
             time.sleep(0.5)
         time.sleep(2)
-        rss_after = rss_bytes(server.pid)
+        rss_after, health = rss_bytes(server.pid), httpx.get(url + "/health").json()
     finally:
         server.terminate()
         server.wait(timeout=30)
     completed = [r for r in rows if not r["leave"]]
-    mismatches = [r for r in completed if r.get("text") != solo[r["task"]]]
+    mismatches = [{**r, "solo": solo[r["task"]]} for r in completed
+                  if r.get("text") != solo[r["task"]]]
+    active = [h["memory"]["active"] for h in (health_before, health)]
     log = log_path.read_text(errors="replace")
     checks = {
         "every kept request got a 200": all(r.get("status") == 200 for r in completed),
         "no 5xx in the server's log": '" 5' not in log,
         "nothing left running or waiting": health["pending"] == 0,
         "every completed greedy reply equals its solo run": not mismatches,
-        "memory back within 5% of its level after the solo runs":
-            rss_after <= 1.05 * rss_before,
+        "MLX memory back within 5% of its level after the solo runs":
+            active[1] <= 1.05 * active[0],
     }
     summary = {
         "date": time.strftime("%Y-%m-%d"),
@@ -196,9 +199,13 @@ def main() -> None:
         "left_early": sum(r["leave"] for r in rows), "wall_s": round(wall, 1),
         "by_api": {api: sum(r["api"] == api for r in rows) for api in
                    ("chat", "responses", "messages")},
+        "mlx_active_after_solo_mb": round(active[0] / 2**20, 1),
+        "mlx_active_after_run_mb": round(active[1] / 2**20, 1),
+        "prefix_cache_after_solo_mb": round(sum(health_before["prefix_cache"].values()) / 2**20),
+        "prefix_cache_after_run_mb": round(sum(health["prefix_cache"].values()) / 2**20),
         "rss_after_solo_mb": round(rss_before / 2**20, 1),
         "rss_after_run_mb": round(rss_after / 2**20, 1),
-        "mismatches": mismatches[:5], "checks": checks,
+        "mismatched": len(mismatches), "mismatches": mismatches[:5], "checks": checks,
     }
     print(json.dumps(summary, indent=1))
     if args.out:

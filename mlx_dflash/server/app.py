@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import mlx.core as mx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -108,16 +109,17 @@ def create_app(
         return found
 
     def make_job(body: Any, model: ServedModel, prompt: ChatPrompt, param: str,
-                 requested: int | None, requested_name: str, anthropic: bool = False) -> Job:
+                 requested: int | None, requested_name: str, api: str = "openai") -> Job:
         """The worker's job for ``prompt``: a reply of at most ``requested`` tokens (None: until
-        the context ends), cut to the room the context leaves."""
+        the context ends), cut to the room the context leaves. ``api``: "openai" (a limit
+        beyond the whole context is a 400, as OpenAI's chat API has it), "responses" or
+        "anthropic" (always cut; agents ask for more than any local context)."""
         ctx, n = model.context, len(prompt.ids)
-        if anthropic and n >= ctx:  # Anthropic's wording: Claude Code's compaction reads it
+        if api == "anthropic" and n >= ctx:  # Anthropic's wording: Claude Code's compaction
             raise APIError(400, f"prompt is too long: {n} tokens > {ctx - 1} maximum",
                            param=param)
         check_context(n, ctx, param)
-        if (requested is not None and requested > ctx and not anthropic
-                and requested_name != "max_output_tokens"):
+        if api == "openai" and requested is not None and requested > ctx:
             raise APIError(400, f"'{requested_name}' is {requested}, more than this model's "
                            f"context size of {ctx} tokens.", param=requested_name,
                            code="invalid_value")
@@ -161,7 +163,11 @@ def create_app(
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": pool.default, "models": pool.names,
                 "loaded": pool.loaded(), "running": worker.running,
-                "waiting": worker.waiting, "pending": worker.pending}
+                "waiting": worker.waiting, "pending": worker.pending,
+                "memory": {"active": mx.get_active_memory(), "cache": mx.get_cache_memory(),
+                           "peak": mx.get_peak_memory()},
+                "prefix_cache": {m.name: m.prefix_cache.nbytes for m in pool.models.values()
+                                 if m.prefix_cache is not None}}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -206,7 +212,7 @@ def create_app(
         prompt = render(model, body.conversation(), body.template_tools(), body.choice(),
                         body.template_kwargs())
         job = make_job(body, model, prompt, "messages", body.max_tokens, "max_tokens",
-                       anthropic=True)
+                       api="anthropic")
         shaper = MessageShaper(model.name, Reply(model.tokenizer, prompt.ids, prompt.tools))
         return await respond(job, shaper, body.stream, request)
 
@@ -233,7 +239,7 @@ def create_app(
                            param="input") from e
         prompt = render(model, convo, tools, body.choice(), body.template_kwargs())
         job = make_job(body, model, prompt, "input", body.max_output_tokens,
-                       "max_output_tokens")
+                       "max_output_tokens", api="responses")
         keep = (lambda response: stored.put(response, items)) if body.store else None
         shaper = ResponseShaper(model.name, body, Reply(model.tokenizer, prompt.ids,
                                                         prompt.tools), namespaced, keep)

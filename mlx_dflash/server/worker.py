@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import ctypes
+import ctypes.util
 import itertools
 import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import weakref
 from collections import deque
@@ -284,6 +287,7 @@ class ModelWorker:
                 self._count()
                 if self._idle and self._jobs.empty():
                     mx.clear_cache()  # idle: give the buffer cache back so memory returns to base
+                    _trim_heap()
         except _RanksParted as e:
             log.error("the run across machines broke off (%s): the server stops", e)
             os.kill(os.getpid(), signal.SIGTERM)  # the HTTP server shuts down
@@ -479,6 +483,22 @@ def _done(reason: str, stats: Any, prompt_tokens: int, stop_sequence: str | None
         },
     )
 
+
+def _trim_heap() -> None:
+    """Linux: hand the heap's free pages back to the system. MLX's CPU buffers come from
+    malloc, and glibc keeps what they freed (per-thread arenas): without this the process's
+    RSS stays at its high-water mark after a burst of requests although nothing is held."""
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+_libc = None
+if sys.platform.startswith("linux"):
+    try:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        _libc.malloc_trim  # noqa: B018 (glibc has it; musl does not)
+    except (OSError, AttributeError):
+        _libc = None
 
 _live_workers: weakref.WeakSet[ModelWorker] = weakref.WeakSet()
 
