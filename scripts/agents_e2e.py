@@ -39,8 +39,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+from mlx_dflash.cli.launch import wait_ready
 
 PROMPTS = ("Reply with the single word: hello", "Now reply with the single word: goodbye")
 
@@ -85,19 +86,6 @@ def usage(agent: str, stdout: str) -> dict:
     return {}
 
 
-def wait_ready(url: str, server: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            return
-        except OSError:
-            if server.poll() is not None:
-                sys.exit("the server exited before it was ready")
-            time.sleep(1)
-    sys.exit("the server was not ready in time")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=8123)
@@ -123,7 +111,7 @@ def main() -> None:
     server = subprocess.Popen(serve, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
     results = []
     try:
-        wait_ready(url, server)
+        wait_ready(url, server, log_path)
         sessions = [(p, a, k) for p in args.profiles for a in args.agents
                     for k in range(args.sessions if p == "short" else 1)]
         for profile, agent, session in sessions:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import httpx
 
+from mlx_dflash.cli.launch import wait_ready
+
 SYSTEM = ("You are a coding agent running in a terminal. You read files, run commands and "
           "edit code to finish the user's task. Keep answers short. ") * 60  # ~2k tokens
 TASKS = ["List the files in this directory.", "What does the main function do?",
@@ -121,18 +123,6 @@ def run_one(url: str, api: str, task: str, stream: bool, leave: bool) -> dict:
     return row
 
 
-def wait_ready(url: str, server: subprocess.Popen) -> None:
-    for _ in range(600):
-        try:
-            httpx.get(url + "/health", timeout=2)
-            return
-        except httpx.HTTPError:
-            if server.poll() is not None:
-                sys.exit("the server exited before it was ready")
-            time.sleep(1)
-    sys.exit("the server was not ready in time")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=300)
@@ -149,7 +139,7 @@ def main() -> None:
     server = subprocess.Popen(serve, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
     rng = random.Random(args.seed)
     try:
-        wait_ready(url, server)
+        wait_ready(url, server, log_path)
         solo = {task: run_one(url, "chat", task, False, False)["text"] for task in TASKS}
         rss_before, health_before = rss_bytes(server.pid), httpx.get(url + "/health").json()
         plan = [(("chat", "responses", "messages")[i % 3], rng.choice(TASKS), rng.random() < 0.5,

@@ -93,7 +93,9 @@ def _start_server(port: int, serve_args: list[str], log_path: Path) -> subproces
                             start_new_session=True)
 
 
-def _wait_ready(url: str, server: subprocess.Popen, log_path: Path) -> None:
+def wait_ready(url: str, server: subprocess.Popen, log_path: Path) -> None:
+    """Wait until the server started as ``server`` answers /health (its log, ``log_path``,
+    is shown if it exits first)."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if _get(f"{url}/health") is not None:
@@ -148,7 +150,7 @@ def launch(
         serve_args += ["--api-key", api_key] if api_key else []
         log_path = Path(tempfile.gettempdir()) / f"mlx-dflash-serve-{port}.log"
         server = _start_server(port, serve_args, log_path)
-        _wait_ready(base, server, log_path)
+        wait_ready(base, server, log_path)
     else:
         typer.secho(f"Using the server already running at {base}", fg=typer.colors.CYAN,
                     err=True)
