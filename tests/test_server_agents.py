@@ -10,6 +10,7 @@ event is validated against the SDK's own types.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -31,6 +32,7 @@ from mlx_dflash.server import BackgroundServer, create_app
 from mlx_dflash.server import worker as worker_mod
 from mlx_dflash.server.models import CacheSettings, served_model
 from mlx_dflash.server.prompts import fold_system_messages
+from mlx_dflash.target import Target
 
 V = 96
 NAME = "tiny-agents"
@@ -353,17 +355,22 @@ def test_forced_tool_call_opens_the_reply(monkeypatch):
 
 
 # -- a client that leaves during a long prefill ----------------------------------------------------
+@pytest.mark.parametrize("max_batch", [8, 1], ids=["batched", "one-at-a-time"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_leaving_during_prefill_frees_the_engine_within_a_chunk(pair, monkeypatch, stream):
+def test_leaving_during_prefill_frees_the_engine_within_a_chunk(pair, monkeypatch, stream,
+                                                                 max_batch):
+    """Batched: the prefill runs a chunk a step; one at a time (stream_generate): it checks
+    the client between its chunks."""
     chunks = []
-    real_prefill = batch_mod.prefill
+    real_hidden_states = Target.hidden_states
 
-    def slow_prefill(target, tokens, *args):
-        chunks.append(len(tokens))
-        time.sleep(0.15)
-        return real_prefill(target, tokens, *args)
+    def slow_hidden_states(self, tokens, *args, **kwargs):
+        if tokens.shape[1] == 32:  # a prefill chunk (not the scheduler's timing passes)
+            chunks.append(32)
+            time.sleep(0.15)
+        return real_hidden_states(self, tokens, *args, **kwargs)
 
-    monkeypatch.setattr(batch_mod, "prefill", slow_prefill)
+    monkeypatch.setattr(Target, "hidden_states", slow_hidden_states)
     init = worker_mod.BatchedEngine.__init__
 
     def small_steps(self, *args, **kwargs):
@@ -371,8 +378,10 @@ def test_leaving_during_prefill_frees_the_engine_within_a_chunk(pair, monkeypatc
         self.prefill_step = 32  # 1,000 prompt tokens: 32 chunks
 
     monkeypatch.setattr(worker_mod.BatchedEngine, "__init__", small_steps)
+    monkeypatch.setattr(worker_mod, "stream_generate",
+                        functools.partial(worker_mod.stream_generate, prefill_step_size=32))
     prompt = " ".join(f"w{5 + i % 80}" for i in range(1000))
-    with BackgroundServer(create_app(*pair, model_name=NAME)) as srv:
+    with BackgroundServer(create_app(*pair, model_name=NAME, max_batch=max_batch)) as srv:
         worker, jobs = srv.app.state.worker, []
         submit = worker.submit
         monkeypatch.setattr(worker, "submit", lambda job: jobs.append(job) or submit(job))
@@ -390,6 +399,10 @@ def test_leaving_during_prefill_frees_the_engine_within_a_chunk(pair, monkeypatc
             time.sleep(0.05)
         assert jobs[-1].outcome == "cancelled"
         assert len(chunks) < 16, chunks  # it left after a few chunks, not at the end
+        # The server serves on.
+        r = httpx.post(f"{srv.url}/v1/completions", json={**body, "prompt": "w5 w6",
+                                                          "stream": False})
+        assert r.status_code == 200
 
 
 def test_a_long_prefill_streams_message_start_and_pings(pair, monkeypatch):

@@ -44,6 +44,9 @@ class LeadingEngine:
     def prompt_started(self, request_id: int) -> tuple[int, int] | None:
         return self.engine.prompt_started(request_id)
 
+    def watch(self, request_id: int, cancelled: Any) -> None:
+        pass  # never mid-step: the other ranks run the same step in lockstep
+
     def cancel(self, request_id: int) -> None:
         # Not now: cancelling may store the request's caches, which sends messages (a
         # pipeline's sizes are rank 0's) while the other ranks wait for the next step.

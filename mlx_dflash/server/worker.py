@@ -123,10 +123,18 @@ class Engine(Protocol):
     def step(self) -> list[tuple[int, GenerationResponse]]: ...
     def cancel(self, request_id: int) -> None: ...
     def prompt_started(self, request_id: int) -> tuple[int, int] | None: ...
+    def watch(self, request_id: int, cancelled: threading.Event) -> None: ...
+
+
+class _Abandoned(Exception):
+    """A request's client left during its prefill (SequentialEngine)."""
 
 
 class BatchedEngine(BatchEngine):
     """The batch engine over a served model (its prefix cache included)."""
+
+    def watch(self, request_id: int, cancelled: threading.Event) -> None:
+        pass  # its prefill runs a chunk a step: cancellations are seen between steps
 
     def __init__(self, served: Any, copy_drafts: bool, max_batch: int,
                  tree: int | str | None = None):
@@ -152,6 +160,7 @@ class SequentialEngine:
         self.waiting: deque[tuple[int, list[int], dict[str, Any]]] = deque()
         self.current: tuple[int, Iterator[GenerationResponse]] | None = None
         self._ids = itertools.count()
+        self._watched: dict[int, threading.Event] = {}
 
     @property
     def idle(self) -> bool:
@@ -173,30 +182,44 @@ class SequentialEngine:
     def prompt_started(self, request_id: int) -> tuple[int, int] | None:
         return None  # known with the first response
 
+    def watch(self, request_id: int, cancelled: threading.Event) -> None:
+        # A whole prefill runs within one step: it checks the flag between its chunks.
+        self._watched[request_id] = cancelled
+
     def cancel(self, request_id: int) -> None:
         if self.current is not None and self.current[0] == request_id:
             self._close()
         self.waiting = deque(w for w in self.waiting if w[0] != request_id)
+        self._watched.pop(request_id, None)
 
     def step(self) -> list[tuple[int, GenerationResponse]]:
         if self.current is None:
             if not self.waiting:
                 return []
             request_id, prompt, sampling = self.waiting.popleft()
-            self.current = (request_id, self._start(prompt, **sampling))
+            self.current = (request_id, self._start(prompt, self._watched.get(request_id),
+                                                    **sampling))
         request_id, gen = self.current
         try:
             response = next(gen)
+        except _Abandoned:  # its client left mid-prefill: nothing more to say
+            self.current = None
+            self._watched.pop(request_id, None)
+            return []
         except BaseException:
             self.current = None  # the worker fails it; its generator is gone
+            self._watched.pop(request_id, None)
             raise
         if response.finish_reason is not None:
             self._close()
         return [(request_id, response)]
 
-    def _start(self, prompt: list[int], *, seed: int | None, checkpoints: list[int],
+    def _start(self, prompt: list[int], cancelled: threading.Event | None, *,
+               seed: int | None, checkpoints: list[int],
                **kwargs: Any) -> Iterator[GenerationResponse]:
         served = self.served
+        if cancelled is not None:
+            kwargs["prompt_progress"] = lambda done, total: _check(cancelled)
         kwargs.update(seed=seed, block_size=served.block_size, copy_drafts=self.copy_drafts,
                       tree=self.tree)
         args = (served.model, served.drafter, served.tokenizer, prompt)
@@ -206,12 +229,18 @@ class SequentialEngine:
                                       generate=stream_generate, **kwargs)
 
     def _close(self) -> None:
-        _, gen = self.current
+        request_id, gen = self.current
         self.current = None
+        self._watched.pop(request_id, None)
         try:  # exit the decode loop's MLX stream context on this thread; store caches
             gen.close()
         except Exception:  # noqa: BLE001 (a cache that cannot be stored costs a prefill)
             log.exception("storing the prompt cache failed")
+
+
+def _check(cancelled: threading.Event) -> None:
+    if cancelled.is_set():
+        raise _Abandoned
 
 
 class _RanksParted(Exception):
@@ -284,6 +313,7 @@ class ModelWorker:
                 self._feed_engine()
                 if self._engine is not None:
                     self._step()
+                    self._drop_cancelled()  # one left mid-step (a prefill it abandoned)
                 self._count()
                 if self._idle and self._jobs.empty():
                     mx.clear_cache()  # idle: give the buffer cache back so memory returns to base
@@ -328,7 +358,8 @@ class ModelWorker:
         for request_id, active in list(self._active.items()):
             if active.job.cancelled.is_set():
                 active.job.outcome = "cancelled"
-                self._engine.cancel(request_id)
+                if self._engine is not None:
+                    self._engine.cancel(request_id)
                 del self._active[request_id]
 
     def _feed_engine(self) -> None:
@@ -356,6 +387,7 @@ class ModelWorker:
             except Exception as e:  # noqa: BLE001 (a malformed job fails alone)
                 self._fail(job, e)
                 continue
+            self._engine.watch(request_id, job.cancelled)
             self._active[request_id] = _Active(job, StopMatcher(job.stop))
 
     def _make_engine(self, model: str | None) -> Engine:
