@@ -1,5 +1,6 @@
 """`mlx-dflash serve`: an OpenAI- and Anthropic-compatible HTTP server (chat and text completions,
-Messages; streaming), for one or several models, with prefix caches in memory and on disk."""
+Responses, Messages; streaming), for one or several models, with prefix caches in memory and on
+disk."""
 
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def serve(
     split: str = typer.Option("auto", "--split", help=SPLIT_HELP),
 ) -> None:
     """Serve models over OpenAI- and Anthropic-compatible APIs (/v1/chat/completions,
-    /v1/completions, /v1/messages, /v1/models)."""
+    /v1/completions, /v1/responses, /v1/messages, /v1/models)."""
     try:
         import uvicorn
 
