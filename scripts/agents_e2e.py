@@ -69,6 +69,10 @@ def turns(agent: str, profile: str, work: Path) -> list[list[str]]:
              PROMPTS[1]]]
 
 
+def scrub(text: str, work: Path) -> str:
+    return text.replace(str(work), "<work>").replace(tempfile.gettempdir(), "<tmp>")
+
+
 def usage(agent: str, stdout: str) -> dict:
     """(input, cached input, output) tokens of the turn, as the agent reports them."""
     if agent == "opencode":
@@ -141,9 +145,9 @@ def main() -> None:
                         dict(zip(("prompt", "cached", "generated", "tokens_per_s", "finish"),
                                  (int(m[1]), int(m[2]), int(m[3]), float(m[4]), m[5])))
                         for m in REQUEST_LINE.finditer(f.read().decode(errors="replace"))]
-                if run.returncode != 0:
-                    row["stderr_tail"] = run.stderr[-1500:]
-                    row["stdout_tail"] = run.stdout[-1500:]
+                if run.returncode != 0:  # (this machine's temporary paths left out)
+                    row["stderr_tail"] = scrub(run.stderr[-1500:], work)
+                    row["stdout_tail"] = scrub(run.stdout[-1500:], work)
                 results.append(row)
                 print(json.dumps(row), flush=True)
     finally:
