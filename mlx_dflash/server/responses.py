@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import APIError
 from .reply import KEEPALIVE, REASONING, Reply, sse
-from .schemas import SEED_MAX, SEED_MIN, Int
+from .schemas import SEED_MAX, SEED_MIN, Int, json_or_text
 from .worker import Done
 
 log = logging.getLogger("mlx_dflash.server")
@@ -151,7 +151,7 @@ def conversation(instructions: str | None, items: str | list[dict]) -> list[dict
             name = item.get("name", "")
             if item.get("namespace"):
                 name = f"{item['namespace']}.{name}"
-            args = (_json_or_text(item.get("arguments") or "{}") if kind == "function_call"
+            args = (json_or_text(item.get("arguments") or "{}") if kind == "function_call"
                     else {"input": item.get("input", "")})
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": name, "arguments": args}}
@@ -181,13 +181,6 @@ def _parts_text(content: Any, param: str) -> str:
             raise APIError(400, f"Content of type '{kind}' is not supported: this model reads "
                            "text only.", param=param)
     return "".join(out)
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
 
 
 class ResponseStore:

@@ -137,14 +137,14 @@ class ChatMessage(BaseModel):
         if self.tool_calls:
             out["tool_calls"] = [
                 {"id": c.id, "type": "function",
-                 "function": {"name": c.function.name, "arguments": _json_or_text(
+                 "function": {"name": c.function.name, "arguments": json_or_text(
                      c.function.arguments)}}
                 for c in self.tool_calls
             ]
         return out
 
 
-def _json_or_text(text: str) -> object:
+def json_or_text(text: str) -> object:
     # Templates index into the arguments (arguments.items()), so they get the parsed object.
     try:
         return json.loads(text)
