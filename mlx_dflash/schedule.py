@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import KVCache
 
 from . import distributed
 from .accept import SamplingParams
@@ -33,29 +34,53 @@ from .paths import cache_root
 from .target import Target
 from .tree import Calibration
 
-CONTEXTS = (128, 1024)  # verify cost is measured at these context lengths, interpolated
+# Pass costs are measured at these context lengths: attention grows with the context, and a
+# wide verify pass's grows faster than a decode's (on a CPU, MLX's attention is nearly linear in
+# the queries), so the best block at 16k is not the best at 1k. Between them, interpolated;
+# beyond the last, extended along its last segment (attention is linear in the context).
+CONTEXTS = (128, 1024, 4096, 16384)
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # ... and at these token counts
+PREFILLED = 256  # a snapshot prefills this much for real; longer contexts repeat its K/V
 
 
 @dataclass
 class PassCosts:
     verify_s: dict[int, list[float]]  # context -> seconds of a pass of sizes[i] tokens
-    draft_s: float  # seconds of a drafter pass (a block drafter's, whatever it drafts)
-    contexts: tuple[int, ...] = CONTEXTS
+    draft_s: float  # seconds of a drafter pass at the shortest context (a block drafter's)
+    contexts: tuple[int, ...] = ()  # the verify_s keys, in order (by default)
     sizes: tuple[int, ...] = SIZES
     draft_step_s: float = 0.0  # a chain drafter's (chain.py): each draft after the first
+    # a drafter pass at each of ``contexts`` (its attention over the context grows too);
+    # None: draft_s at every length
+    draft_by_context: list[float] | None = None
 
-    def draft(self, k: int) -> float:
-        """Seconds of drafting ``k`` tokens."""
-        return self.draft_s + self.draft_step_s * max(k - 1, 0)
+    def __post_init__(self):
+        self.contexts = tuple(self.contexts) or tuple(sorted(self.verify_s))
+
+    def draft(self, k: int, context: int = 0) -> float:
+        """Seconds of drafting ``k`` tokens at this context."""
+        first = (self.draft_s if self.draft_by_context is None
+                 else along(context, self.contexts, self.draft_by_context))
+        return first + self.draft_step_s * max(k - 1, 0)
 
     def verify(self, n: int, context: int) -> float:
-        """Seconds of an n-token target pass at this context (linear interpolation)."""
-        lo, hi = self.contexts[0], self.contexts[-1]
-        t = min(max((context - lo) / (hi - lo), 0.0), 1.5)  # mild extrapolation only
-        a = float(np.interp(n, self.sizes, self.verify_s[lo]))
-        b = float(np.interp(n, self.sizes, self.verify_s[hi]))
-        return a + t * (b - a)
+        """Seconds of an n-token target pass at this context."""
+        return along(context, self.contexts,
+                     [float(np.interp(n, self.sizes, self.verify_s[c])) for c in self.contexts])
+
+    def growth(self, n: int, context: int) -> float:
+        """What an n-token pass at ``context`` costs beyond one at the shortest context: its
+        attention over the context, which a batch pays once per row."""
+        return self.verify(n, context) - self.verify(n, self.contexts[0])
+
+
+def along(context: int, contexts: Sequence[int], values: Sequence[float]) -> float:
+    """``values`` measured at ``contexts``, at ``context``: linear between them, flat below the
+    first, along the last segment's slope (never falling) beyond the last."""
+    if len(contexts) == 1 or context <= contexts[-1]:
+        return float(np.interp(context, contexts, values))
+    slope = max(values[-1] - values[-2], 0.0) / (contexts[-1] - contexts[-2])
+    return float(values[-1] + slope * (context - contexts[-1]))
 
 
 def best_time(fn: Any, reps: int) -> float:
@@ -85,12 +110,14 @@ def snapshot_passes(target: Target, drafter: Drafter | None, context: int, max_t
     drafting ``max_tokens - 1`` tokens (none when ``drafter`` is None)."""
     layer_ids = drafter.target_layer_ids if drafter is not None else ()
     cache = target.make_cache()
-    tokens = mx.zeros((1, context), dtype=mx.uint32)
+    tokens = mx.zeros((1, min(context, PREFILLED)), dtype=mx.uint32)
     _, feats = target.hidden_states(tokens, cache, layer_ids)
     draft_cache = []
     if drafter is not None:
         draft_cache = drafter.make_cache()
         drafter.commit(feats, draft_cache, tokens)
+    for c in [*cache, *draft_cache]:
+        stretch(c, context)
     mx.eval([c.state for c in cache + draft_cache])
 
     def target_pass(n: int) -> None:
@@ -109,6 +136,20 @@ def snapshot_passes(target: Target, drafter: Drafter | None, context: int, max_t
     if chained(drafter):  # its cost grows with the drafts: one draft too
         passes.append(lambda: draft_pass(1))
     return passes
+
+
+def stretch(c: Any, context: int) -> None:
+    """A full-attention KV cache made to hold ``context`` positions by repeating what it holds:
+    a pass over it costs what one over real text would, without a prefill of that length
+    (minutes on a CPU at 16k). Other caches (windows, recurrent states) are left as they are:
+    their cost does not grow past what they hold."""
+    if type(c) is not KVCache or c.keys is None or c.offset >= context:
+        return
+    held = c.offset
+    reps = -(-context // held)
+    c.keys = mx.tile(c.keys[..., :held, :], (1, 1, reps, 1))[..., :context, :]
+    c.values = mx.tile(c.values[..., :held, :], (1, 1, reps, 1))[..., :context, :]
+    c.offset = context
 
 
 def chained(drafter: Drafter) -> bool:
@@ -135,10 +176,12 @@ def _sizes(max_tokens: int) -> tuple[int, ...]:
 def measure_costs(target: Target, drafter: Drafter, max_tokens: int, reps: int = 5) -> PassCosts:
     """Best-of-``reps`` time of a target pass of 1..max_tokens tokens at each context length,
     and of one drafter pass, all timed in turn within each round (``best_times``)."""
-    measured = {c: _costs_at(target, drafter, c, max_tokens, reps) for c in CONTEXTS}
+    # The long contexts' passes take seconds each on a CPU: fewer rounds there.
+    measured = {c: _costs_at(target, drafter, c, max_tokens, reps if c <= 1024 else min(reps, 3))
+                for c in CONTEXTS}
     _, draft, step = measured[CONTEXTS[0]]
     return PassCosts({c: m[0] for c, m in measured.items()}, draft, CONTEXTS,
-                     _sizes(max_tokens), step)
+                     _sizes(max_tokens), step, [measured[c][1] for c in CONTEXTS])
 
 
 def _cache_file(target: Target, drafter: Drafter, max_tokens: int) -> Path:
@@ -197,7 +240,7 @@ def cached_costs(target: Target, drafter: Drafter, max_tokens: int) -> PassCosts
     def read(data: dict) -> PassCosts | None:
         costs = PassCosts({int(k): v for k, v in data["verify_s"].items()}, data["draft_s"],
                           tuple(data["contexts"]), tuple(data["sizes"]),
-                          data.get("draft_step_s", 0.0))
+                          data.get("draft_step_s", 0.0), data["draft_by_context"])
         times = [t for ctx in CONTEXTS for t in costs.verify_s[ctx]] + [costs.draft_s]
         if min(times) <= 0:  # a broken measurement: measured anew
             return None
@@ -211,15 +254,18 @@ def cached_costs(target: Target, drafter: Drafter, max_tokens: int) -> PassCosts
                   "pair and machine) ...", file=sys.stderr, flush=True)
         return measure_costs(target, drafter, max_tokens)
 
+    n = len(CONTEXTS)
+
     def unflat(v: np.ndarray) -> PassCosts:
-        verify = v[:-2].reshape(len(CONTEXTS), len(sizes))
-        return PassCosts({c: verify[i].tolist() for i, c in enumerate(CONTEXTS)}, float(v[-2]),
-                         CONTEXTS, sizes, float(v[-1]))
+        verify = v[: n * len(sizes)].reshape(n, len(sizes))
+        draft_step, draft = v[n * len(sizes)], v[n * len(sizes) + 1:]
+        return PassCosts({c: verify[i].tolist() for i, c in enumerate(CONTEXTS)},
+                         float(draft[0]), CONTEXTS, sizes, float(draft_step), draft.tolist())
 
     return _cached(_cache_file(target, drafter, max_tokens), read, measure, asdict,
                    lambda c: [v for ctx in CONTEXTS for v in c.verify_s[ctx]]
-                   + [c.draft_s, c.draft_step_s],
-                   unflat, len(CONTEXTS) * len(sizes) + 2)
+                   + [c.draft_step_s, *c.draft_by_context],
+                   unflat, n * len(sizes) + 1 + n)
 
 
 _run_headroom: list[int] = []  # across machines: the smallest over the ranks, read once
@@ -305,7 +351,7 @@ class Scheduler:
         verify = self.costs.verify
         best_k, best = 0, 1.0 / verify(1, context)  # plain decoding's tokens per second
         for k in range(1, limit + 1):
-            rate = (1.0 + a[:k].sum()) / (self.costs.draft(k) + verify(k + 1, context))
+            rate = (1.0 + a[:k].sum()) / (self.costs.draft(k, context) + verify(k + 1, context))
             if rate > best:
                 best_k, best = k, rate
         return best_k, best
@@ -401,18 +447,25 @@ class BatchCosts:
     # rows -> one drafter pass for that many requests / one for one (None: one pass each)
     draft_ratio: dict[int, float] | None = None
 
-    def draft(self, rows: int) -> float:
-        """Seconds of drafting for ``rows`` requests (one batched drafter pass)."""
+    def draft(self, rows: int, context: int = 0) -> float:
+        """Seconds of drafting for ``rows`` requests (one batched drafter pass) whose contexts
+        are ``context`` long: the short-context pass scaled by the rows, plus each row's own
+        attention over its context."""
         if rows == 0:
             return 0.0
+        single = self.single.draft(1)
+        growth = self.single.draft(1, context) - single
         if self.draft_ratio is None:
-            return rows * self.single.draft_s
-        return self.single.draft_s * self._scale(rows, [self.draft_ratio[r] for r in self.rows])
+            return rows * (single + growth)
+        return single * self._scale(rows, [self.draft_ratio[r] for r in self.rows]) + rows * growth
 
     def verify(self, rows: int, width: int, context: int) -> float:
-        """Seconds of a target pass over ``rows`` rows of ``width`` tokens at ``context``."""
+        """Seconds of a target pass over ``rows`` rows of ``width`` tokens at ``context``: the
+        ratios were measured at a short context; what the context adds (attention) every row
+        pays on its own."""
         by_rows = [float(np.interp(width, self.sizes, self.ratio[r])) for r in self.rows]
-        return self.single.verify(width, context) * self._scale(rows, by_rows)
+        short = self.single.verify(width, self.single.contexts[0])
+        return short * self._scale(rows, by_rows) + rows * self.single.growth(width, context)
 
     def _scale(self, rows: int, by_rows: list[float]) -> float:
         """A ratio measured at ``self.rows``, at ``rows``: interpolated, and beyond what was
@@ -546,7 +599,7 @@ def plan_nodes(survival: Sequence[np.ndarray], looked_up: Sequence[bool], contex
         for m in range(len(ranked) + 1):  # the m likeliest drafting requests draft
             if m:
                 gain += ranked[m - 1][0]
-            rate = (rows + gain) / (verify + costs.draft(m))
+            rate = (rows + gain) / (verify + costs.draft(m, context))
             if rate > best_rate:
                 drafting = {i for _, i in ranked[:m]}
                 best_rate, best = rate, [min(width - 1, limits[i])

@@ -274,7 +274,8 @@ class TreeSizer:
 
     def choose(self, scores: np.ndarray, context: int) -> int:
         gain = np.cumsum(self.survival(scores))
-        rates = [(1 + gain[n - 1]) / (self.costs.draft_s + self.costs.verify(n + 1, context))
+        draft = self.costs.draft(1, context)
+        rates = [(1 + gain[n - 1]) / (draft + self.costs.verify(n + 1, context))
                  for n in range(1, len(gain) + 1)]
         return 1 + int(np.argmax(rates)) if rates else 0
 

@@ -10,7 +10,7 @@ from tiny import make_drafter, make_target, make_tokenizer
 import mlx_dflash.policy as policy
 from mlx_dflash import stream_generate
 from mlx_dflash.accept import SamplingParams
-from mlx_dflash.schedule import PassCosts, Scheduler, measure_costs
+from mlx_dflash.schedule import CONTEXTS, PassCosts, Scheduler, measure_costs
 
 # Verify grows mildly with the block; drafting costs a fifth of a decode.
 COSTS = PassCosts({c: [0.010 * (1 + 0.05 * n) for n in range(1, 17)] for c in (128, 1024)},
@@ -60,9 +60,58 @@ def test_measured_costs_have_one_entry_per_block():
     from mlx_dflash.target import Target
 
     costs = measure_costs(Target(model), drafter, 4, reps=1)
-    assert set(costs.verify_s) == {128, 1024} and costs.sizes == (1, 2, 3, 4)
-    assert len(costs.verify_s[128]) == 4
-    assert costs.draft_s > 0 and costs.verify(2, 500) > 0
+    assert set(costs.verify_s) == set(CONTEXTS) and costs.sizes == (1, 2, 3, 4)
+    assert len(costs.verify_s[128]) == 4 and len(costs.draft_by_context) == len(CONTEXTS)
+    assert costs.draft_s > 0 and costs.verify(2, 500) > 0 and costs.draft(1, 9000) > 0
+
+
+def test_a_snapshot_times_long_contexts_without_prefilling_them():
+    """The snapshot prefills PREFILLED tokens and repeats their K/V: the caches it times hold
+    the whole context (so the passes cost what they would there)."""
+    from mlx_dflash.schedule import PREFILLED, stretch
+    from mlx_dflash.target import Target
+
+    model = make_target("qwen3")
+    target = Target(model)
+    cache = target.make_cache()
+    target.hidden_states(mx.zeros((1, PREFILLED), dtype=mx.uint32), cache, ())
+    for c in cache:
+        stretch(c, 5000)
+    assert {c.offset for c in cache} == {5000} and cache[0].keys.shape[2] == 5000
+    out = target.forward(mx.ones((1, 3), dtype=mx.uint32), cache, ())
+    assert cache[0].offset == 5003 and mx.all(mx.isfinite(out[0] if isinstance(out, tuple)
+                                                           else out)).item()
+
+
+def test_costs_follow_the_context():
+    """Between measured contexts the costs are interpolated, beyond the last they go on along
+    its slope (never down); a batch pays what the context adds once per row."""
+    from mlx_dflash.schedule import BatchCosts
+
+    costs = PassCosts({128: [1.0, 2.0], 1024: [2.0, 4.0], 4096: [4.0, 10.0]}, 0.5,
+                      sizes=(1, 8), draft_by_context=[0.5, 0.6, 1.0])
+    assert costs.contexts == (128, 1024, 4096)
+    assert costs.verify(1, 10) == 1.0 and costs.verify(8, 1024) == 4.0
+    assert costs.verify(8, 2560) == 7.0 and costs.verify(8, 7168) == 16.0  # extended
+    assert costs.draft(1, 4096) == 1.0 and costs.draft(1, 0) == 0.5
+    falling = PassCosts({128: [1.0], 1024: [3.0], 4096: [2.0]}, 0.5, sizes=(1,))
+    assert falling.verify(1, 100_000) == 2.0
+    batch = BatchCosts(costs, {r: [r * 0.5, r * 0.5] for r in (1, 2, 4, 8)}, (1, 8),
+                       draft_ratio={1: 1.0, 2: 1.5, 4: 2.0, 8: 3.0})
+    assert batch.verify(4, 8, 4096) == 2.0 * 2.0 + 4 * 8.0  # rows pay their attention each
+    assert batch.draft(4, 4096) == 0.5 * 2.0 + 4 * 0.5
+
+
+def test_the_best_block_shrinks_as_the_context_grows():
+    """Costs where a wide pass's attention grows with the context (as on a CPU): long blocks
+    at 1k, shorter ones at 16k, plain decoding at 256k where no block pays."""
+    sizes = tuple(range(1, 9))
+    verify = {c: [0.05 + 0.003 * n + n * 3e-6 * c for n in sizes] for c in (128, 1024, 16384)}
+    costs = PassCosts(verify, 0.01, sizes=sizes)
+    s = Scheduler(costs, 7, token_bytes=1 << 20, headroom=lambda: 1 << 40, probe_every=1000)
+    s.accept_rate[:] = 0.9
+    short, long, longest = s.choose(7, 1024), s.choose(7, 16384), s.choose(7, 262144)
+    assert short == 7 and 0 < long < short and longest == 0
 
 
 def test_a_costs_file_with_a_zero_time_is_measured_anew(tmp_path, monkeypatch):

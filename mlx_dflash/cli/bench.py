@@ -12,6 +12,16 @@ from .app import app, fail
 from .common import load_pair, parse_tree
 
 
+def parse_length(text: str) -> int:
+    """'4k', '16K', '1024' -> tokens (k = 1024)."""
+    t = text.strip().lower()
+    scale = 1024 if t.endswith("k") else 1
+    digits = t.removesuffix("k")
+    if not digits.isdigit() or int(digits) == 0:
+        fail(f"--context takes a number of tokens such as 4k or 16384, got {text!r}")
+    return int(digits) * scale
+
+
 @app.command()
 def bench(
     prompts: List[Path] = typer.Option(..., "--prompts", help="JSON Lines file(s) with a "
@@ -41,6 +51,15 @@ def bench(
     stagger: float = typer.Option(0.0, "--stagger", min=0.0,
                                   help="With --concurrency: a group's requests arrive this "
                                   "many seconds apart instead of together."),
+    context: List[str] = typer.Option([], "--context", help="Instead: the long-context bench "
+                                      "at this many prompt tokens (e.g. 4k, 16384); "
+                                      "repeatable. Code prompts (standard-library sources "
+                                      "and a question) and chat prompts (earlier turns from "
+                                      "the --prompts rows with a question and an answer, a "
+                                      "new question from the others); each prefilled once."),
+    draft_window: List[int] = typer.Option([], "--draft-window", min=0, help="With "
+                                           "--context: also run the drafter attending to this "
+                                           "many last context positions; repeatable."),
 ) -> None:
     """Compare plain greedy decoding with DFlash at several block sizes (runs interleaved)."""
     from ..bench import (
@@ -60,9 +79,40 @@ def bench(
     except ValueError as e:
         fail(str(e))
     trees = [parse_tree(t) for t in tree]
+    lengths = [parse_length(c) for c in context]
+    if draft_window and not lengths:
+        fail("--draft-window variants are part of the long-context bench (--context)")
     target, draft, tokenizer = load_pair(model, resolve_drafter(drafter) if drafter else None)
     if draft is None:
         fail("bench needs a drafter (--drafter)")
+    if lengths:
+        from ..bench_context import format_context_table, read_turns, run_context_bench
+        from ..drafters.dflash import DFlashDraftModel
+
+        if not isinstance(draft, DFlashDraftModel):
+            fail("the long-context bench times DFlash, DFlash 2 and DSpark drafters")
+        turns, questions = [], []
+        for f in prompts:
+            try:
+                turns += read_turns(f)
+            except ValueError:
+                questions += [q for texts in load_prompt_sets([str(f)], None).values()
+                              for q in texts]
+        if not turns or not questions:
+            fail("--context needs --prompts files of both kinds: rows with a question and an "
+                 "answer (the chats' earlier turns) and rows with a prompt (their last turn)")
+        results = run_context_bench(target, draft, tokenizer, lengths, turns=turns,
+                                    questions=questions, prompts=limit or 2,
+                                    max_tokens=max_tokens, concurrency=concurrency,
+                                    windows=draft_window)
+        results["settings"]["drafter"] = drafter or DEFAULT_DRAFTER
+        results["settings"]["model"] = model or "default (SmolLM2-135M-Instruct, float32)"
+        typer.echo(format_context_table(results))
+        if json_out:
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_text(json.dumps(results, indent=2) + "\n")
+            typer.echo(f"wrote {json_out}")
+        return
     if concurrency:
         results = run_batch_bench(target, draft, tokenizer, sets, list(concurrency), max_tokens,
                                   block_size[0], stagger=stagger, trees=trees)

@@ -9,7 +9,15 @@ import typer
 
 from ..policy import COPY_DRAFTS
 from .app import app, fail
-from .common import SPLIT_HELP, TREE_HELP, PrefillProgress, load_pair, parse_split, parse_tree
+from .common import (
+    DRAFT_WINDOW_HELP,
+    SPLIT_HELP,
+    TREE_HELP,
+    PrefillProgress,
+    load_pair,
+    parse_split,
+    parse_tree,
+)
 
 COMMANDS = "/reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 CONVERSATION_ENTRIES = 3  # cache entries a chat keeps: its last reply, and checkpoints
@@ -24,7 +32,7 @@ def estimate_speedup(stats: Any, costs: Any, context: int) -> float:
     drafting = [k for k in stats.draft_lengths if k]  # copied cycles among them: no drafter
     drafted = max(len(drafting) - stats.copy_cycles, 0)
     if drafting:
-        spent += sum(costs.draft(k) for k in drafting) * drafted / len(drafting)
+        spent += sum(costs.draft(k, context) for k in drafting) * drafted / len(drafting)
     return sum(stats.acceptance_lengths) * costs.verify(1, context) / spent
 
 
@@ -84,6 +92,8 @@ def chat(
                               "the last tokens when there is one."),
     tree: Optional[str] = typer.Option(None, "--tree", help=TREE_HELP),
     split: str = typer.Option("auto", "--split", help=SPLIT_HELP),
+    draft_window: Optional[int] = typer.Option(None, "--draft-window", min=0,
+                                               help=DRAFT_WINDOW_HELP),
 ) -> None:
     """Chat with the model (multi-turn, its chat template), one statistics line per reply.
 
@@ -104,7 +114,8 @@ def chat(
     distributed.init()
     speak = distributed.is_root()  # under mlx.launch rank 0 reads and prints; the rest follow
     tic = time.perf_counter()
-    target, draft, tokenizer = load_pair(model, drafter, split=split)
+    target, draft, tokenizer = load_pair(model, drafter, split=split,
+                                         draft_window=draft_window)
     if not getattr(tokenizer, "has_chat_template", False):
         fail(f"the tokenizer of {model or 'the default model'} has no chat template; "
              "use `mlx-dflash generate --no-chat-template` for plain text completion")

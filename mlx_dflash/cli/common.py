@@ -34,10 +34,28 @@ class PrefillProgress:
 
 
 def load_pair(model: str | None, drafter: str | None, block_size: int | None = None,
-              split: str = "auto") -> tuple:
+              split: str = "auto", draft_window: int | None = None) -> tuple:
     """(model, drafter, tokenizer). No --model: the package's default pair. Under mlx.launch
     (several ranks, distributed.py) the target is split across them (``split``: how, see
-    ``distributed.shard_target``)."""
+    ``distributed.shard_target``). ``draft_window``: the drafter attends to that many last
+    context positions (0: all of them; None: as its config says)."""
+    pair = _load_pair(model, drafter, split)
+    if draft_window is not None:
+        from ..drafters.dflash import DFlashDraftModel
+
+        if not isinstance(pair[1], DFlashDraftModel):
+            fail("--draft-window applies to DFlash, DFlash 2 and DSpark drafters (they attend "
+                 "to the context's features)")
+        pair[1].args.context_window = draft_window or None
+    return pair
+
+
+DRAFT_WINDOW_HELP = ("The drafter attends to the last N context positions only (0: all): its "
+                     "pass then costs the same at any context length. Default: its config's "
+                     "context_window, else all.")
+
+
+def _load_pair(model: str | None, drafter: str | None, split: str) -> tuple:
     from mlx_lm import load
 
     from .. import distributed

@@ -9,8 +9,16 @@ import typer
 
 from ..policy import COPY_DRAFTS
 from .app import app, fail
-from .common import (SPLIT_HELP, TREE_HELP, PrefillProgress, chat_prompt, load_pair, parse_split,
-                     parse_tree)
+from .common import (
+    DRAFT_WINDOW_HELP,
+    SPLIT_HELP,
+    TREE_HELP,
+    PrefillProgress,
+    chat_prompt,
+    load_pair,
+    parse_split,
+    parse_tree,
+)
 
 
 @app.command()
@@ -30,6 +38,8 @@ def generate(
                                              help="Block size (default: the drafter's)."),
     tree: Optional[str] = typer.Option(None, "--tree", help=TREE_HELP),
     split: str = typer.Option("auto", "--split", help=SPLIT_HELP),
+    draft_window: Optional[int] = typer.Option(None, "--draft-window", min=0,
+                                               help=DRAFT_WINDOW_HELP),
     seed: Optional[int] = typer.Option(None, "--seed"),
     no_chat_template: bool = typer.Option(False, "--no-chat-template",
                                           help="Send the prompt as raw text."),
@@ -57,7 +67,8 @@ def generate(
 
     from ..decode import stream_generate
 
-    target, draft, tokenizer = load_pair(model, drafter, split=parse_split(split))
+    target, draft, tokenizer = load_pair(model, drafter, split=parse_split(split),
+                                         draft_window=draft_window)
     seed = distributed.common_seed(seed)
     if seed is not None:
         mx.random.seed(seed)

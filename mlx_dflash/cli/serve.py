@@ -13,7 +13,15 @@ import typer
 
 from ..policy import COPY_DRAFTS
 from .app import app, fail
-from .common import SPLIT_HELP, TREE_HELP, load_pair, parse_size, parse_split, parse_tree
+from .common import (
+    DRAFT_WINDOW_HELP,
+    SPLIT_HELP,
+    TREE_HELP,
+    load_pair,
+    parse_size,
+    parse_split,
+    parse_tree,
+)
 
 
 def _size(option: str, value: str | None) -> int | None:
@@ -111,6 +119,8 @@ def serve(
     tree: Optional[str] = typer.Option(None, "--tree", help=TREE_HELP + " Models whose pair "
                                        "takes no trees are served with chains."),
     split: str = typer.Option("auto", "--split", help=SPLIT_HELP),
+    draft_window: Optional[int] = typer.Option(None, "--draft-window", min=0,
+                                               help=DRAFT_WINDOW_HELP),
 ) -> None:
     """Serve models over OpenAI- and Anthropic-compatible APIs (/v1/chat/completions,
     /v1/completions, /v1/responses, /v1/messages, /v1/models)."""
@@ -135,7 +145,8 @@ def serve(
     served = []
     for entry in entries:
         name = entry.name or entry.model or DEFAULT_TARGET_NAME
-        load = functools.partial(load_pair, entry.model, entry.drafter, split=split)
+        load = functools.partial(load_pair, entry.model, entry.drafter, split=split,
+                                 draft_window=draft_window)
         served.append(lazy_model(name, load, block_size=entry.block_size or block_size,
                                  max_context=max_context,
                                  template_kwargs={**template_kwargs,

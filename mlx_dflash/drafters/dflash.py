@@ -22,9 +22,9 @@ from .base import Proposal
 from .layers import DraftArgs, DraftLayer, block_mask, make_context_cache
 
 
-def _padded(a: mx.array, n: int, T: int) -> mx.array:
-    """A cache's first ``n`` positions [1, heads, n, d], zero-padded to ``T``."""
-    return mx.pad(a[..., :n, :], [(0, 0), (0, 0), (0, T - n), (0, 0)])
+def _padded(a: mx.array, start: int, end: int, T: int) -> mx.array:
+    """A cache's positions ``start..end-1`` [1, heads, n, d], zero-padded to ``T``."""
+    return mx.pad(a[..., start:end, :], [(0, 0), (0, 0), (0, T - end + start), (0, 0)])
 
 
 class _Memo:
@@ -112,7 +112,7 @@ class DFlashDraftModel(nn.Module):
     def pass_key(self) -> tuple:
         a = self.args
         return (a.hidden_size, a.num_hidden_layers, a.draft_vocab_size, self.block_size,
-                type(self).__name__, self.walk_candidates)
+                type(self).__name__, self.walk_candidates, a.context_window)
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -152,13 +152,21 @@ class DFlashDraftModel(nn.Module):
         for layer, c in zip(self.layers, cache):
             c.update_and_fetch(*layer.self_attn.context_kv(ctx, c.offset))
 
+    def context_start(self, held: int) -> int:
+        """The first context position a block after ``held`` positions attends to."""
+        window = self.args.context_window
+        return max(0, held - window) if window else 0
+
     def __call__(self, block_embeds: mx.array, cache: list[Any]) -> mx.array:
-        """Inference pass of one block [1, B, D] over the cached context; final-norm hidden."""
+        """Inference pass of one block [1, B, D] over the cached context (its last
+        ``context_window`` positions where set); final-norm hidden."""
         h = block_embeds
         B = h.shape[1]
         for layer, c in zip(self.layers, cache):
-            keys, values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
-            mask = block_mask(c.offset, B, c.offset, layer.sliding_window, layer.is_causal)
+            start = self.context_start(c.offset)
+            keys, values = c.keys[..., start : c.offset, :], c.values[..., start : c.offset, :]
+            mask = block_mask(c.offset - start, B, c.offset, layer.sliding_window,
+                              layer.is_causal, start)
             h = layer(h, keys, values, c.offset, mask)
         return self.norm(h)
 
@@ -270,14 +278,17 @@ class DFlashDraftModel(nn.Module):
         mask_ids = mx.full((R, block_size - 1), self.args.mask_token_id, dtype=anchors.dtype)
         h = self.embed_block(target, mx.concatenate([anchors[:, None], mask_ids], axis=1))
         lengths = [c[0].offset for c in caches]
-        T = max(lengths)
+        starts = [self.context_start(n) for n in lengths]
+        T = max(n - s for n, s in zip(lengths, starts))
         offsets = mx.array(lengths)
         q_pos = offsets[:, None] + mx.arange(block_size)[None]  # [R, B]
-        ctx_pos = mx.arange(T)
-        held = ctx_pos[None, None, :] < offsets[:, None, None]  # [R, 1, T]
+        ctx_pos = mx.array(starts)[:, None, None] + mx.arange(T)  # [R, 1, T]
+        held = ctx_pos < offsets[:, None, None]
         for i, layer in enumerate(self.layers):
-            keys = mx.concatenate([_padded(c[i].keys, c[i].offset, T) for c in caches])
-            values = mx.concatenate([_padded(c[i].values, c[i].offset, T) for c in caches])
+            keys = mx.concatenate([_padded(c[i].keys, s, c[i].offset, T)
+                                   for c, s in zip(caches, starts)])
+            values = mx.concatenate([_padded(c[i].values, s, c[i].offset, T)
+                                     for c, s in zip(caches, starts)])
             ctx_ok = mx.broadcast_to(held, (R, block_size, T))
             if layer.sliding_window is not None:
                 ctx_ok = ctx_ok & ((q_pos[:, :, None] - ctx_pos) < layer.sliding_window)

@@ -60,6 +60,9 @@ class DraftArgs:
     verify_block_size: int | None = None
     # Reduced draft vocabulary: the head uses only these many target rows (ids in the weights).
     draft_vocab_size: int | None = None
+    # At inference the block attends to the last this many context positions only (None: all):
+    # the drafter's pass then costs the same at any context length.
+    context_window: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -126,6 +129,7 @@ class DraftArgs:
             input_embedding_scale=float(pick("input_embedding_scale", 1.0) or 1.0),
             verify_block_size=pick("verify_block_size"),
             draft_vocab_size=pick("draft_vocab_size"),
+            context_window=pick("context_window", pick("sliding_window_size")),
             **family,
         )
 
@@ -153,6 +157,8 @@ class DraftArgs:
         }
         if self.verify_block_size is not None:
             config["verify_block_size"] = self.verify_block_size
+        if self.context_window is not None:
+            config["context_window"] = self.context_window
         if self.draft_vocab_size:
             config["dflash_config"]["draft_vocab_size"] = self.draft_vocab_size
         if self.sliding_window is not None:
@@ -283,13 +289,15 @@ class DraftLayer(nn.Module):
 
 
 def block_mask(
-    ctx_len: int, block_len: int, block_start: int, sliding_window: int | None, is_causal: bool
+    ctx_len: int, block_len: int, block_start: int, sliding_window: int | None, is_causal: bool,
+    ctx_start: int = 0,
 ) -> mx.array | None:
-    """Inference mask for one block at positions block_start.. over ctx positions 0..ctx_len-1."""
+    """Inference mask for one block at positions block_start.. over ctx positions
+    ctx_start..ctx_start+ctx_len-1."""
     if sliding_window is None and not is_causal:
         return None
     q_pos = mx.arange(block_start, block_start + block_len)[:, None]
-    ctx_pos = mx.arange(ctx_len)[None, :]
+    ctx_pos = mx.arange(ctx_start, ctx_start + ctx_len)[None, :]
     blk_pos = mx.arange(block_start, block_start + block_len)[None, :]
     ctx_ok = mx.ones((block_len, ctx_len), dtype=mx.bool_)
     blk_ok = mx.ones((block_len, block_len), dtype=mx.bool_)

@@ -1,0 +1,319 @@
+"""Benchmark at long contexts: speculative decoding against plain decoding, prompts of 1k-32k
+tokens made of real text.
+
+Two kinds of prompt, as agents and long chats send them: ``code`` (a Python standard-library
+module's source, cut to length, then a question about it) and ``chat`` (a multi-turn chat of
+earlier questions and answers from a prompt file, then a new question). Each prompt is
+prefilled once; every variant continues from a copy of that cache, so the figures compare
+decoding alone (on a CPU a 16k prefill takes minutes). Prefill speed is measured on its own
+against mlx-lm's. Greedy; every output is checked against plain decoding's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from .bench import _percentile
+from .cycle import prefill
+from .decode import stream_generate
+from .pair_cache import PairCache
+from .prefix_cache import PrefixCache
+from .schedule import best_times, cached_batch_costs, cached_costs, snapshot_passes
+from .target import as_target
+
+# Standard-library modules whose sources make the code prompts (large, plain Python).
+CODE_MODULES = ("argparse", "difflib", "inspect", "typing", "pathlib", "tarfile", "textwrap",
+                "dataclasses", "zipfile", "logging.__init__", "json.decoder", "shutil")
+CODE_QUESTIONS = (
+    "Explain what the last function above does, step by step, and write one unit test for it.",
+    "Summarise how the code above is organised: its main classes and what each is for.",
+    "Find a function above that could fail on unusual input, say why, and show a fix.",
+    "Write a short docstring for each of the last three functions above.",
+)
+
+
+def _module_source(name: str) -> tuple[str, str]:
+    """(module name, source text) of a standard-library module."""
+    path = importlib.util.find_spec(name.removesuffix(".__init__")).origin
+    return name.removesuffix(".__init__"), Path(path).read_text(encoding="utf-8")
+
+
+def _template(tokenizer: Any, messages: list[dict]) -> list[int]:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def code_prompt(tokenizer: Any, length: int, index: int) -> list[int]:
+    """About ``length`` tokens: module sources (from the ``index``-th on) cut at a line, then a
+    question about them."""
+    question = CODE_QUESTIONS[index % len(CODE_QUESTIONS)]
+    room = length - len(_template(tokenizer, [{"role": "user", "content": question}])) - 8
+    lines: list[str] = []
+    used = 0
+    for i in range(len(CODE_MODULES)):
+        name, source = _module_source(CODE_MODULES[(index + i) % len(CODE_MODULES)])
+        lines.append(f"# file: {name.replace('.', '/')}.py")
+        for line in source.splitlines():
+            cost = len(tokenizer.encode(line + "\n", add_special_tokens=False))
+            if used + cost > room:
+                break
+            lines.append(line)
+            used += cost
+        else:
+            continue
+        break
+    text = "```python\n" + "\n".join(lines) + "\n```\n\n" + question
+    return _template(tokenizer, [{"role": "user", "content": text}])
+
+
+def chat_prompt(tokenizer: Any, length: int, index: int, turns: Sequence[tuple[str, str]],
+                questions: Sequence[str]) -> list[int]:
+    """About ``length`` tokens: earlier (question, answer) turns from ``turns`` (from the
+    ``index``-th on, as many as fit), then a new question."""
+    last = {"role": "user", "content": questions[index % len(questions)]}
+    messages: list[dict] = []
+    start = (index * 97) % len(turns)
+    used = len(_template(tokenizer, [last]))
+    for i in range(len(turns)):
+        if used > length - 64:
+            break
+        q, a = turns[(start + i) % len(turns)]
+        more = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        n = len(_template(tokenizer, messages + more + [last]))
+        if n <= length:  # else a shorter pair may still fit
+            messages, used = messages + more, n
+    return _template(tokenizer, messages + [last])
+
+
+def read_turns(path: str | Path) -> list[tuple[str, str]]:
+    """(question, answer) pairs of a JSON Lines file with both fields (e.g. GSM8K)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    turns = [(r["question"], r["answer"]) for r in rows
+             if isinstance(r, dict) and r.get("question") and r.get("answer")]
+    if not turns:
+        raise ValueError(f"{path}: no rows with both a 'question' and an 'answer' (the chat "
+                         "prompts' earlier turns)")
+    return turns
+
+
+def prefilled(model: Any, drafter: Any, tokens: list[int]) -> tuple[PairCache, float]:
+    """The pair holding all of ``tokens`` but the last (target and drafter context), and the
+    seconds its prefill took."""
+    target = as_target(model)
+    pair = PairCache()
+    pair.begin(tokens, target, drafter)
+    tic = time.perf_counter()
+    prefill(target, tokens[:-1], pair.target, drafter, pair.drafter)
+    mx.eval([c.state for c in pair.layers])
+    seconds = time.perf_counter() - tic
+    pair.hold(tokens[:-1])
+    return pair, seconds
+
+
+def mlx_lm_prefill_tps(model: Any, tokenizer: Any, tokens: list[int]) -> float:
+    """mlx-lm's own prompt tokens per second on ``tokens``."""
+    from mlx_lm import stream_generate as mlx_stream_generate
+
+    for r in mlx_stream_generate(model, tokenizer, tokens, max_tokens=1):
+        return r.prompt_tps
+    return 0.0
+
+
+def _plain(model: Any, tokenizer: Any, tokens: list[int], pair: PairCache, max_tokens: int
+           ) -> tuple[list[int], float]:
+    """mlx-lm's greedy decoding, continuing from a copy of the prefilled target cache."""
+    from mlx_lm import stream_generate as mlx_stream_generate
+
+    cache = list(pair.fork().target)
+    tic = time.perf_counter()
+    out = [r.token for r in mlx_stream_generate(model, tokenizer, tokens[-1:],
+                                                max_tokens=max_tokens, prompt_cache=cache)]
+    seconds = time.perf_counter() - tic
+    if out and out[-1] in tokenizer.eos_token_ids:
+        out = out[:-1]
+    return out, seconds
+
+
+def _speculative(model: Any, drafter: Any, tokenizer: Any, tokens: list[int], pair: PairCache,
+                 max_tokens: int) -> tuple[list[int], float, Any]:
+    out, last = [], None
+    tic = time.perf_counter()
+    for last in stream_generate(model, drafter, tokenizer, tokens, max_tokens=max_tokens,
+                                prompt_cache=pair.fork()):
+        out += last.tokens
+    return out, time.perf_counter() - tic, last.stats
+
+
+def _batched(model: Any, drafter: Any, tokenizer: Any, prompts: list[list[int]],
+             pairs: list[PairCache], max_tokens: int) -> tuple[list[list[int]], float, list]:
+    """Our batch engine on ``prompts`` arriving together, each continuing from a copy of its
+    prefilled pair (``drafter`` None: plain batched decoding)."""
+    from .batch import BatchEngine
+
+    store = PrefixCache(1 << 62)
+    for pair in pairs:
+        store.insert(pair.fork())
+    engine = BatchEngine(model, drafter, tokenizer, max_batch=len(prompts), prefix_cache=store)
+    ids = [engine.submit(p, max_tokens=max_tokens) for p in prompts]
+    out: dict[int, list[int]] = {i: [] for i in ids}
+    finish: dict[int, float] = {}
+    tic = time.perf_counter()
+    while not engine.idle:
+        for rid, r in engine.step():
+            out[rid] += r.tokens
+            if r.finish_reason is not None:
+                finish[rid] = time.perf_counter() - tic
+    return [out[i] for i in ids], time.perf_counter() - tic, [finish[i] for i in ids]
+
+
+def pass_costs(model: Any, drafter: Any, context: int, width: int, windows: Sequence[int],
+               reps: int = 3) -> dict:
+    """Seconds of a 1-token and a ``width``-token target pass and of a drafter pass over a
+    ``context``-token cache, the drafter with each of ``windows`` too (0: all the context),
+    timed in turn; the drafter's share of a cycle (draft / (draft + verify))."""
+    target = as_target(model)
+    passes = snapshot_passes(target, drafter, context, width, (1, width))
+    saved = drafter.args.context_window
+    windowed = {}
+    for w in windows:
+        drafter.args.context_window = w or None
+        windowed[w] = snapshot_passes(target, drafter, context, width, ())[-1]
+    try:
+        times = best_times(passes[:3] + list(windowed.values()), reps)
+    finally:
+        drafter.args.context_window = saved
+    one, block = times[:2]
+    row = {"decode_s": one, "verify_s": block, "verify_decode_ratio": block / one,
+           "draft_s": times[2], "drafter_share": times[2] / (times[2] + block)}
+    for w, t in zip(windowed, times[3:]):
+        row[f"draft_s_window{w}"] = t
+        row[f"drafter_share_window{w}"] = t / (t + block)
+    return row
+
+
+def run_context_bench(model: Any, drafter: Any, tokenizer: Any, lengths: Sequence[int], *,
+                      turns: Sequence[tuple[str, str]], questions: Sequence[str],
+                      prompts: int = 2, max_tokens: int = 128, concurrency: Sequence[int] = (),
+                      windows: Sequence[int] = (), kinds: Sequence[str] = ("code", "chat"),
+                      progress: bool = True) -> dict:
+    """Per context length and kind: plain mlx-lm decoding, our default settings ("auto") and
+    the same with the drafter's context window at each of ``windows``, on ``prompts`` prompts
+    interleaved; with ``concurrency`` c, groups of c prompts through our batch engine with and
+    without the drafter. Pass costs at each length; prefill tokens/s, ours and mlx-lm's."""
+    from . import _blas
+
+    width = drafter.max_drafts + 1
+    results: dict[str, Any] = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "device": str(mx.default_device()), "mlx": mx.__version__,
+                    "blas": Path(_blas.sgemm_provider() or "default").name},
+        "settings": {"max_tokens": max_tokens, "lengths": list(lengths), "prompts": prompts,
+                     "concurrency": list(concurrency), "windows": list(windows),
+                     "greedy": True, "dtype": str(model.model.embed_tokens.weight.dtype)},
+        "lengths": {},
+    }
+    variants = {"auto": None, **{f"auto+window{w}": w for w in windows}}
+    saved = drafter.args.context_window
+    target = as_target(model)
+    for w in variants.values():  # the scheduler's pass costs: timed before any clock
+        drafter.args.context_window = w or saved
+        cached_costs(target, drafter, width)
+        if concurrency:
+            cached_batch_costs(target, drafter, width)
+    drafter.args.context_window = saved
+    for length in lengths:
+        entry = results["lengths"][str(length)] = {
+            "pass_costs": pass_costs(model, drafter, length, width, windows)}
+        for kind in kinds:
+            n = max(prompts, *concurrency) if concurrency else prompts
+            toks = [code_prompt(tokenizer, length, i) if kind == "code" else
+                    chat_prompt(tokenizer, length, i, turns, questions) for i in range(n)]
+            pairs, prefill_s = [], []
+            for t in toks:
+                pair, s = prefilled(model, drafter, t)
+                pairs.append(pair)
+                prefill_s.append(s)
+                if progress:
+                    print(f"[{kind} {length}] prefilled {len(t)} tokens in {s:.1f} s", flush=True)
+            row: dict[str, Any] = {
+                "prompt_tokens_mean": sum(map(len, toks)) / len(toks),
+                "prefill_tps": sum(len(t) - 1 for t in toks) / sum(prefill_s),
+                "mlx_lm_prefill_tps": mlx_lm_prefill_tps(model, tokenizer, toks[0]),
+            }
+            plain = {"tokens": 0, "seconds": 0.0}
+            spec = {v: {"tokens": 0, "seconds": 0.0, "acc": [], "differing": 0} for v in variants}
+            for t, pair in list(zip(toks, pairs))[:prompts]:
+                ref, s = _plain(model, tokenizer, t, pair, max_tokens)
+                plain["tokens"] += len(ref)
+                plain["seconds"] += s
+                for name, w in variants.items():
+                    drafter.args.context_window = w or saved
+                    out, s, stats = _speculative(model, drafter, tokenizer, t, pair, max_tokens)
+                    drafter.args.context_window = saved
+                    v = spec[name]
+                    v["tokens"] += len(out)
+                    v["seconds"] += s
+                    v["acc"] += stats.acceptance_lengths
+                    v["differing"] += int(out != ref)
+                if progress:
+                    print(f"[{kind} {length}] prompt done: plain {plain['tokens']} tokens in "
+                          f"{plain['seconds']:.1f} s so far", flush=True)
+            plain_tps = plain["tokens"] / plain["seconds"]
+            row["plain"] = {**plain, "tokens_per_s": plain_tps}
+            row["speculative"] = {name: {
+                "tokens": v["tokens"], "seconds": v["seconds"],
+                "tokens_per_s": v["tokens"] / v["seconds"],
+                "speedup": v["tokens"] / v["seconds"] / plain_tps,
+                "mean_acceptance_length": sum(v["acc"]) / max(len(v["acc"]), 1),
+                "outputs_differing_from_plain": v["differing"]} for name, v in spec.items()}
+            for c in concurrency:
+                row[f"concurrency{c}"] = _batched_row(model, drafter, tokenizer, toks[:c],
+                                                      pairs[:c], max_tokens)
+            entry[kind] = row
+            del pairs
+    return results
+
+
+def _batched_row(model: Any, drafter: Any, tokenizer: Any, prompts: list[list[int]],
+                 pairs: list[PairCache], max_tokens: int) -> dict:
+    """One group through the batch engine, without and with the drafter."""
+    plain_out, plain_s, plain_lat = _batched(model, None, tokenizer, prompts, pairs, max_tokens)
+    out, s, lat = _batched(model, drafter, tokenizer, prompts, pairs, max_tokens)
+    plain_tps = sum(map(len, plain_out)) / plain_s
+    tps = sum(map(len, out)) / s
+    return {"requests": len(prompts),
+            "plain_batched_tokens_per_s": plain_tps, "tokens_per_s": tps,
+            "speedup": tps / plain_tps, "latency_p50_s": _percentile(lat, 0.5),
+            "plain_latency_p50_s": _percentile(plain_lat, 0.5),
+            "outputs_differing_from_plain": sum(o != r for o, r in zip(out, plain_out))}
+
+
+def format_context_table(results: dict) -> str:
+    """The long-context bench as a Markdown table (one row per length, kind and variant)."""
+    lines = ["| context | kind | variant | tok/s | vs plain | mean acceptance length | "
+             "outputs equal to plain |", "|---:|---|---|---:|---:|---:|---:|"]
+    n = results["settings"]["prompts"]
+    for entry in results["lengths"].values():
+        for kind, row in entry.items():
+            if kind == "pass_costs":
+                continue
+            ctx = f"{row['prompt_tokens_mean']:.0f}"
+            lines.append(f"| {ctx} | {kind} | plain mlx-lm | {row['plain']['tokens_per_s']:.2f}"
+                         f" | 1.00x | 1.00 | - |")
+            for name, v in row["speculative"].items():
+                lines.append(f"| {ctx} | {kind} | {name} | {v['tokens_per_s']:.2f} | "
+                             f"{v['speedup']:.2f}x | {v['mean_acceptance_length']:.2f} | "
+                             f"{n - v['outputs_differing_from_plain']}/{n} |")
+            for key, b in row.items():
+                if key.startswith("concurrency"):
+                    c = b["requests"]
+                    lines.append(f"| {ctx} | {kind} | {c} at once: auto vs batched plain | "
+                                 f"{b['tokens_per_s']:.2f} | {b['speedup']:.2f}x | - | "
+                                 f"{c - b['outputs_differing_from_plain']}/{c} |")
+    return "\n".join(lines)

@@ -1,0 +1,111 @@
+"""Long contexts: the drafter's context window, and lossless output past it."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_dflash2 import make_dflash2
+from test_dspark import make_dspark
+from test_lossless_greedy import assert_same_or_near_tie, reference
+from tiny import make_drafter, make_target, make_tokenizer
+
+from mlx_dflash import stream_generate
+from mlx_dflash.batch import BatchEngine
+from mlx_dflash import load_drafter, save_drafter
+from mlx_dflash.target import Target
+
+WINDOW = 8
+
+
+def _context(model, drafter, tokens):
+    """The drafter's context cache after the target read ``tokens`` (and their features)."""
+    target = Target(model)
+    _, feats = target.hidden_states(mx.array(tokens)[None], target.make_cache(),
+                                    drafter.target_layer_ids)
+    cache = drafter.make_cache()
+    drafter.commit(feats, cache, mx.array(tokens)[None])
+    return target, cache
+
+
+def _block(drafter, target, feats):
+    """The block's hidden states over a context of these target features."""
+    cache = drafter.make_cache()
+    drafter.commit(feats, cache)
+    return drafter.block_hidden(target, mx.array([5]), cache, drafter.block_size)
+
+
+def test_the_window_hides_the_context_before_it():
+    """With a window of W, the drafts depend on the last W context positions alone: other
+    features before them leave the block's hidden states as they were; a change inside the
+    window, or any change without a window, moves them."""
+    model = make_target("qwen3")
+    drafter = make_drafter(model, block_size=4)
+    target = Target(model)
+    tokens = mx.array(np.random.default_rng(0).integers(3, 128, size=40))[None]
+    _, feats = target.hidden_states(tokens, target.make_cache(), drafter.target_layer_ids)
+    noise = mx.random.normal(feats.shape, key=mx.random.key(3))
+    early = mx.concatenate([noise[:, :20], feats[:, 20:]], axis=1)  # differs before the window
+    late = mx.concatenate([feats[:, :-3], noise[:, -3:]], axis=1)  # differs inside it
+    whole = _block(drafter, target, feats)
+    assert not mx.allclose(whole, _block(drafter, target, early), atol=1e-5)
+    drafter.args.context_window = WINDOW
+    windowed = _block(drafter, target, feats)
+    assert not mx.allclose(windowed, whole, atol=1e-5)
+    assert mx.allclose(windowed, _block(drafter, target, early), atol=1e-5)
+    assert not mx.allclose(windowed, _block(drafter, target, late), atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [make_drafter, make_dspark, make_dflash2])
+def test_batched_drafting_keeps_each_requests_window(make):
+    """One batched pass over contexts of several lengths (shorter than the window, longer)
+    gives each request what its own pass gives."""
+    model = make_target("qwen3")
+    drafter = make(model, block_size=4, context_window=WINDOW)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 128, size=n).tolist() for n in (5, 23, 41)]
+    caches, singles = [], []
+    for p in prompts:
+        target, cache = _context(model, drafter, p)
+        caches.append(cache)
+        singles.append(drafter.block_hidden(target, mx.array([5]), cache, drafter.block_size))
+    batched = drafter.block_hidden_batch(target, mx.array([5, 5, 5]), caches,
+                                         drafter.block_size)
+    for i, single in enumerate(singles):
+        assert mx.allclose(batched[i], single, atol=1e-5), i
+
+
+@pytest.mark.parametrize("make", [make_drafter, make_dspark, make_dflash2])
+def test_greedy_is_lossless_past_the_drafters_window(make):
+    """Prompts and replies far longer than the window: equal to the target's own greedy
+    output, alone and batched."""
+    model = make_target("qwen3")
+    drafter = make(model, block_size=6, context_window=WINDOW)
+    tok = make_tokenizer(128)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 128, size=n).tolist() for n in (30, 70)]
+    wants = [reference(model, p, 40)[0] for p in prompts]
+    for p, want in zip(prompts, wants):
+        got = [t for r in stream_generate(model, drafter, tok, p, max_tokens=40) for t in r.tokens]
+        assert_same_or_near_tie(model, p, got, want)
+    engine = BatchEngine(model, drafter, tok, max_batch=2)
+    ids = [engine.submit(p, max_tokens=40) for p in prompts]
+    out = {i: [] for i in ids}
+    while not engine.idle:
+        for rid, r in engine.step():
+            out[rid] += r.tokens
+    for i, p, want in zip(ids, prompts, wants):
+        assert_same_or_near_tie(model, p, out[i], want)
+
+
+def test_the_window_is_kept_in_the_config(tmp_path):
+    """A drafter saved with a window loads with it; z-lab's name for it is read too."""
+    import json
+
+    model = make_target("qwen3")
+    drafter = make_drafter(model, block_size=4, context_window=512)
+    save_drafter(drafter, tmp_path / "d")
+    assert load_drafter(tmp_path / "d", model=model).args.context_window == 512
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    del config["context_window"]
+    config["sliding_window_size"] = 1024
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    assert load_drafter(tmp_path / "d", model=model).args.context_window == 1024
