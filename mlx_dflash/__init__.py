@@ -18,7 +18,7 @@ from .drafters import DrafterMismatchError, load_drafter  # noqa: E402
 from .drafters.mtp import load_mtp_drafter  # noqa: E402
 from .pair_cache import PairCache  # noqa: E402
 from .prefix_cache import PrefixCache  # noqa: E402
-from .target import Target  # noqa: E402
+from .target import Target, quantize_kv  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -36,6 +36,7 @@ __all__ = [
     "load_default",
     "load_drafter",
     "load_mtp_drafter",
+    "quantize_kv",
     "save_drafter",
     "stream_generate",
     "stream_generate_cached",

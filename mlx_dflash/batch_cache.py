@@ -8,7 +8,8 @@ cache calls (``offset``, ``make_mask``, ``update_and_fetch``).
 
 Every layer kind a target has gets its own batch cache (``make_batch_cache``):
 
-* full attention: a :class:`RaggedKVCache`;
+* full attention: a :class:`RaggedKVCache` (:class:`QuantizedRaggedKVCache` when the target's
+  KV caches are quantized: target.quantize_kv);
 * sliding window: a :class:`RaggedKVCache` with ``window``: its mask also hides, for each row
   and query, the positions older than the window, and squeezing out the holes drops them;
 * recurrent (Gated DeltaNet): a :class:`BatchRecurrentCache`, every row's conv window and state
@@ -22,11 +23,17 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from .target import (
-    FULL, RECURRENT, SLIDING, Target, TargetCache, filled_kv, rotating_from_window, window_kv,
+    FULL, RECURRENT, SLIDING, Target, TargetCache, _parts, filled_kv, rotating_from_window,
+    window_kv,
 )
+
+
+def _each(f: Any, a: Any) -> Any:
+    """``f`` on an array, or on each of a quantized cache's (packed, scales, biases)."""
+    return tuple(f(x) for x in a) if isinstance(a, tuple) else f(a)
 
 
 class BatchNotSupported(ValueError):
@@ -61,8 +68,8 @@ class RaggedKVCache:
 
     @property
     def state(self) -> list[mx.array]:
-        return [a for a in (self.keys, self.values, self.valid, self.offset, self.base)
-                if a is not None]
+        kv = [*_parts(self.keys), *_parts(self.values)] if self.keys is not None else []
+        return [*kv, self.valid, self.offset, self.base]
 
     @property
     def nbytes(self) -> int:
@@ -102,16 +109,23 @@ class RaggedKVCache:
         held = mx.broadcast_to(held, (self.rows, L, self._idx))
         return mx.concatenate([held, own], axis=2)[:, None]
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def stored(self, x: mx.array) -> Any:
+        """Keys or values as this cache holds them."""
+        return x
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         S = keys.shape[2]
+        keys, values = self.stored(keys), self.stored(values)
         self._reserve(self._idx + S, keys, values)
         start = self._idx
-        self.keys[..., start : start + S, :] = keys
-        self.values[..., start : start + S, :] = values
+        for held, new in zip([*_parts(self.keys), *_parts(self.values)],
+                             [*_parts(keys), *_parts(values)]):
+            held[..., start : start + S, :] = new
         self._pass = (start, self.offset)
         self.offset = self.offset + S
         self._idx += S
-        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+        return (_each(lambda x: x[..., : self._idx, :], self.keys),
+                _each(lambda x: x[..., : self._idx, :], self.values))
 
     # -- what the batch engine calls ------------------------------------------------------------
     def commit(self, kept: Sequence[int]) -> None:
@@ -151,13 +165,13 @@ class RaggedKVCache:
             start = 0
         else:
             keys, values, start = window_kv(cache, self.window - 1)
-        P = keys.shape[2]
+        P = _parts(keys)[0].shape[2]
         self._idx = max(self._idx, P)
         self._reserve(self._idx, keys, values)
-        capacity = self.keys.shape[2]
+        capacity = self.capacity
         pad = [(0, 0), (0, 0), (0, capacity - P), (0, 0)]
-        self.keys = mx.concatenate([self.keys, mx.pad(keys, pad)], axis=0)
-        self.values = mx.concatenate([self.values, mx.pad(values, pad)], axis=0)
+        self.keys = _join(self.keys, _each(lambda x: mx.pad(x, pad), keys))
+        self.values = _join(self.values, _each(lambda x: mx.pad(x, pad), values))
         self.valid = mx.concatenate([self.valid, (mx.arange(capacity) < P)[None]], axis=0)
         self.offset = mx.concatenate([self.offset, mx.array([start + P], dtype=mx.int32)])
         self.base = mx.concatenate([self.base, mx.array([start], dtype=mx.int32)])
@@ -168,14 +182,22 @@ class RaggedKVCache:
         T, n = self._idx, self.lengths[row]
         slots = mx.arange(T)
         order = mx.argsort(mx.where(self.valid[row, :T], slots, T + slots))[:n]
-        keys = self.keys[row : row + 1, :, :T][:, :, order]
-        values = self.values[row : row + 1, :, :T][:, :, order]
+        keys = _each(lambda x: x[row : row + 1, :, :T][:, :, order], self.keys)
+        values = _each(lambda x: x[row : row + 1, :, :T][:, :, order], self.values)
         if self.window is not None:
             offset = self.base[row].item() + n  # (a row leaving: not per token)
             return rotating_from_window(keys, values, offset, self.window)
-        cache = KVCache()
+        cache = self.single_cache()
         cache.keys, cache.values, cache.offset = keys, values, n
         return cache
+
+    def single_cache(self) -> KVCache:
+        """An empty single request's cache of this layer's kind."""
+        return KVCache()
+
+    @property
+    def capacity(self) -> int:
+        return _parts(self.keys)[0].shape[2]
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order (finished requests leave)."""
@@ -184,7 +206,8 @@ class RaggedKVCache:
             return
         idx = mx.array(list(rows), dtype=mx.int32)
         if self.keys is not None:
-            self.keys, self.values = self.keys[idx], self.values[idx]
+            self.keys, self.values = _each(lambda x: x[idx], self.keys), _each(lambda x: x[idx],
+                                                                               self.values)
         self.valid, self.offset, self.base = self.valid[idx], self.offset[idx], self.base[idx]
         self.lengths = [self.lengths[i] for i in rows]
         self.compact()
@@ -208,31 +231,63 @@ class RaggedKVCache:
             self.base = self.base + dropped
             self.lengths = kept
         order = mx.argsort(mx.where(valid, slots, T + slots), axis=1)[:, :longest]
-        capacity = self.keys.shape[2]
+        capacity = self.capacity
         pad = [(0, 0), (0, 0), (0, capacity - longest), (0, 0)]
-        self.keys = mx.pad(mx.take_along_axis(self.keys[..., :T, :], order[:, None, :, None],
-                                              axis=2), pad)
-        self.values = mx.pad(mx.take_along_axis(self.values[..., :T, :],
-                                                order[:, None, :, None], axis=2), pad)
+
+        def squeezed(x: mx.array) -> mx.array:
+            return mx.pad(mx.take_along_axis(x[..., :T, :], order[:, None, :, None], axis=2), pad)
+
+        self.keys, self.values = _each(squeezed, self.keys), _each(squeezed, self.values)
         self.valid = mx.arange(capacity)[None, :] < mx.array(self.lengths)[:, None]
         self._idx = longest
 
-    def _reserve(self, slots: int, keys: mx.array, values: mx.array) -> None:
+    def _reserve(self, slots: int, keys: Any, values: Any) -> None:
         """Room for ``slots`` slots in every row (grown ``step`` at a time)."""
-        if self.keys is not None and slots <= self.keys.shape[2]:
+        if self.keys is not None and slots <= self.capacity:
             return
-        _, heads, _, k_dim = keys.shape
         capacity = -(-slots // self.step) * self.step
         if self.keys is None:
             rows = self.rows
-            self.keys = mx.zeros((rows, heads, capacity, k_dim), dtype=keys.dtype)
-            self.values = mx.zeros((rows, heads, capacity, values.shape[3]), dtype=values.dtype)
+
+            def empty(x: mx.array) -> mx.array:
+                return mx.zeros((rows, x.shape[1], capacity, x.shape[3]), dtype=x.dtype)
+
+            self.keys, self.values = _each(empty, keys), _each(empty, values)
             self.valid = mx.zeros((rows, capacity), dtype=mx.bool_)
             return
-        grow = capacity - self.keys.shape[2]
+        grow = capacity - self.capacity
         pad = [(0, 0), (0, 0), (0, grow), (0, 0)]
-        self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
+        self.keys = _each(lambda x: mx.pad(x, pad), self.keys)
+        self.values = _each(lambda x: mx.pad(x, pad), self.values)
         self.valid = mx.pad(self.valid, [(0, 0), (0, grow)])
+
+
+class QuantizedRaggedKVCache(RaggedKVCache):
+    """A full-attention layer of many requests with quantized keys and values (each held as
+    packed values, scales and biases); mlx-lm's attention reads it quantized (``bits``)."""
+
+    def __init__(self, bits: int, group_size: int):
+        super().__init__()
+        self.bits, self.group_size = bits, group_size
+
+    def stored(self, x: mx.array) -> tuple[mx.array, ...]:
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def single_cache(self) -> QuantizedKVCache:
+        return QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        if not rows:
+            self.__init__(self.bits, self.group_size)
+            return
+        super().keep_rows(rows)
+
+
+def _join(held: Any, new: Any) -> Any:
+    """Rows ``new`` stacked after ``held`` (arrays, or tuples of them)."""
+    if isinstance(held, tuple):
+        return tuple(mx.concatenate([h, n], axis=0) for h, n in zip(held, new))
+    return mx.concatenate([held, new], axis=0)
 
 
 class BatchRecurrentCache(ArraysCache):
@@ -362,7 +417,9 @@ def make_batch_cache(target: Target) -> BatchTargetCache:
     """An empty batch cache for the target: one per layer, of its kind."""
     layers = []
     for i, (kind, c) in enumerate(zip(target.layer_kinds, target.make_cache())):
-        if kind == FULL:
+        if kind == FULL and isinstance(c, QuantizedKVCache):
+            layers.append(QuantizedRaggedKVCache(c.bits, c.group_size))
+        elif kind == FULL:
             layers.append(RaggedKVCache())
         elif (kind == SLIDING and isinstance(c, RotatingKVCache) and not c.keep
               and c.max_size == target.window):

@@ -23,6 +23,7 @@ import mlx.core as mx
 from .bench import _percentile
 from .cycle import prefill
 from .decode import stream_generate
+from .drafters.base import verify_width
 from .pair_cache import PairCache
 from .prefix_cache import PrefixCache
 from .schedule import best_times, cached_batch_costs, cached_costs, snapshot_passes
@@ -208,7 +209,7 @@ def run_context_bench(model: Any, drafter: Any, tokenizer: Any, lengths: Sequenc
     without the drafter. Pass costs at each length; prefill tokens/s, ours and mlx-lm's."""
     from . import _blas
 
-    width = drafter.max_drafts + 1
+    width = verify_width(drafter)  # what stream_generate and the batch engine time
     results: dict[str, Any] = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "device": str(mx.default_device()), "mlx": mx.__version__,

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .target import Target
+from .target import Target, as_target
 
 
 def target_fingerprint(target: Target) -> dict:
@@ -24,15 +24,21 @@ def target_fingerprint(target: Target) -> dict:
     last = tree_flatten(target.inner.layers[-1].parameters())[0][1]
     for arr in (rows, last.reshape(-1)[:256]):
         h.update(np.array(arr.astype(mx.float32)).tobytes())
-    return {"model_type": target.model_type, "num_layers": target.num_layers,
-            "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
-            "weights_sha256": h.hexdigest()[:16]}
+    facts = {"model_type": target.model_type, "num_layers": target.num_layers,
+             "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
+             "weights_sha256": h.hexdigest()[:16]}
+    if target.kv_quantization is not None:  # its passes cost otherwise (the cost cache)
+        facts["kv_quantization"] = list(target.kv_quantization)
+    return facts
 
 
 def pair_fingerprint(target: Any, drafter: Any) -> str:
     """Names a (target, drafter) pair: their configurations and a sample of every weight, so a
     cache saved for other weights with the same shapes is never loaded."""
     h = hashlib.sha256()
+    quantized = as_target(target).kv_quantization
+    if quantized is not None:  # its caches hold quantized keys and values
+        h.update(f"kv{quantized}".encode())
     for module in (target.model if isinstance(target, Target) else target, drafter):
         if module is None:
             h.update(b"none")

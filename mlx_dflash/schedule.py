@@ -300,11 +300,16 @@ def bytes_per_verified_token(target: Target) -> int:
 
 
 def kv_bytes_per_position(target: Target) -> int:
-    """Bytes one position's keys and values take in every layer (float32 upper bound)."""
+    """Bytes one position's keys and values take in every layer (float32 upper bound; with
+    quantized caches, the packed values plus a float32 scale and bias per group)."""
     args = target.model.args
     heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
-    return 4 * 2 * target.num_layers * heads * head_dim
+    per_value = 4.0
+    if target.kv_quantization is not None:
+        bits, group = target.kv_quantization
+        per_value = bits / 8 + 2 * 4 / group
+    return int(per_value * 2 * target.num_layers * heads * head_dim)
 
 
 class Scheduler:

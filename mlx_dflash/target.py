@@ -11,7 +11,8 @@ loudly instead of silently changing the output.
 
 Rollback after a partial accept is exact for every cache kind the table uses:
 
-* full attention (``KVCache``): trimmed in place (mlx-lm's ``trim``);
+* full attention (``KVCache``, or ``QuantizedKVCache`` after :func:`quantize_kv`): trimmed in
+  place (mlx-lm's ``trim``);
 * sliding window (``RotatingKVCache``): a multi-token pass leaves the buffer in temporal order,
   so the rejected tail is cut off; after a one-token pass mlx-lm's ``trim`` is exact;
 * Gated DeltaNet (``ArraysCache``: conv window + recurrent state; qwen3_next, qwen3_5): the state
@@ -52,6 +53,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import (
     ArraysCache,
     KVCache,
+    QuantizedKVCache,
     RotatingKVCache,
     can_trim_prompt_cache,
     make_prompt_cache,
@@ -275,6 +277,11 @@ def fork_layer_cache(c: Any) -> Any:
                                        c.state))
 
 
+def _parts(a: Any) -> tuple[mx.array, ...]:
+    """A cache's keys (or values): one array, or a quantized cache's (packed, scales, biases)."""
+    return a if isinstance(a, tuple) else (a,)
+
+
 def can_cut_back(layers: Sequence[Any]) -> bool:
     """Whether every layer cache can be cut back to any shorter prefix, exactly (plain KV, or a
     sliding window that has not wrapped yet; never a recurrent state)."""
@@ -282,9 +289,14 @@ def can_cut_back(layers: Sequence[Any]) -> bool:
         not isinstance(c, ArraysCache) for c in layers)
 
 
-def filled_kv(c: KVCache) -> tuple[mx.array, mx.array]:
-    """A plain KV cache's keys and values [1, heads, positions, head_dim], the filled part."""
-    return c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+def filled_kv(c: KVCache | QuantizedKVCache) -> tuple[Any, Any]:
+    """A full-attention cache's keys and values [1, heads, positions, head_dim], the filled
+    part (a quantized cache's: each its packed values, scales and biases)."""
+    def filled(a: Any) -> Any:
+        return tuple(x[..., : c.offset, :] for x in _parts(a)) if isinstance(a, tuple) \
+            else a[..., : c.offset, :]
+
+    return filled(c.keys), filled(c.values)
 
 
 def window_kv(c: RotatingKVCache, n: int) -> tuple[mx.array, mx.array, int]:
@@ -493,8 +505,21 @@ class Target:
         return layer.weight[ids]
 
     # -- forward with features ---------------------------------------------------------------
+    @property
+    def kv_quantization(self) -> tuple[int, int] | None:
+        """(bits, group size) of the full-attention layers' KV caches (:func:`quantize_kv`), or
+        None for full precision."""
+        entry = _kv_quantized.get(id(self.model))
+        return entry[1] if entry is not None and entry[0]() is self.model else None
+
     def make_cache(self) -> TargetCache:
-        return TargetCache(make_prompt_cache(self.model))
+        caches = make_prompt_cache(self.model)
+        quantized = self.kv_quantization
+        if quantized is not None:  # sliding windows and recurrent states stay as they are
+            bits, group = quantized
+            caches = [QuantizedKVCache(group_size=group, bits=bits) if type(c) is KVCache else c
+                      for c in caches]
+        return TargetCache(caches)
 
     def hidden_states(
         self,
@@ -735,9 +760,9 @@ class Target:
             # where the pass's rows start: a sliding-window buffer is left in temporal order
             # by a multi-token pass, ending with them
             start = c.keys.shape[2] - L if isinstance(c, RotatingKVCache) else c.offset - L
-            if moved:
-                c.keys[..., start : start + n, :] = c.keys[..., start + picked, :]
-                c.values[..., start : start + n, :] = c.values[..., start + picked, :]
+            if moved:  # (a quantized cache's keys and values are each 3 arrays)
+                for a in [*_parts(c.keys), *_parts(c.values)]:
+                    a[..., start : start + n, :] = a[..., start + picked, :]
             if isinstance(c, RotatingKVCache):
                 _trim_rotating(c, L - n, L)
             else:
@@ -800,7 +825,7 @@ class Target:
     def _check_forward(self, model: nn.Module) -> None:
         """Our forward equals ``model(x, cache)`` on a fresh cache and on a continuation."""
         probe = mx.array([[1, 2, 3, 4, 5, 6, 7]]) % self.vocab_size
-        ref_cache, our_cache = make_prompt_cache(model), self.make_cache()
+        ref_cache, our_cache = list(self.make_cache()), self.make_cache()  # (KV quantized alike)
         for chunk in (probe[:, :4], probe[:, 4:]):
             expected = model(chunk, cache=ref_cache)
             mx.eval(expected)  # one pass at a time (see _tree_matches)
@@ -819,6 +844,32 @@ class Target:
 
 
 _checked: dict[int, weakref.ref] = {}  # models whose tapped forward was checked once
+
+# Per model (weakly): (bits, group size) of its quantized KV caches (quantize_kv).
+_kv_quantized: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}
+KV_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def quantize_kv(model: Any, bits: int | None, group_size: int = 64) -> None:
+    """Run ``model`` with its full-attention layers' keys and values quantized to ``bits`` (None:
+    full precision again), wherever the package runs it: single requests, the batch engine,
+    prefix caches. From the first position on (mlx-lm's ``kv_bits`` starts at
+    ``quantized_kv_start``), so speculative output equals plain decoding with the same caches."""
+    model = _text_model(model.model if isinstance(model, Target) else model)
+    if bits is None:
+        _kv_quantized.pop(id(model), None)
+        return
+    if bits not in KV_BITS:
+        raise ValueError(f"KV cache bits must be one of {', '.join(map(str, KV_BITS))}, "
+                         f"got {bits}")
+    args = model.args
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    if group_size not in (32, 64, 128) or head_dim % group_size:
+        raise ValueError(f"KV cache group size {group_size} does not divide the target's head "
+                         f"dimension {head_dim} (32, 64 or 128 that does)")
+    key = id(model)
+    _kv_quantized[key] = (weakref.ref(model, lambda _, key=key: _kv_quantized.pop(key, None)),
+                          (bits, group_size))
 
 
 # Per model (weakly): why it takes no tree passes ("" when it does), checked once.

@@ -1,4 +1,4 @@
-"""Long contexts: the drafter's context window, and lossless output past it."""
+"""Long contexts: the drafter's context window and quantized KV caches, lossless."""
 
 import mlx.core as mx
 import numpy as np
@@ -8,9 +8,15 @@ from test_dspark import make_dspark
 from test_lossless_greedy import assert_same_or_near_tie, reference
 from tiny import make_drafter, make_target, make_tokenizer
 
-from mlx_dflash import stream_generate
-from mlx_dflash.batch import BatchEngine
-from mlx_dflash import load_drafter, save_drafter
+from mlx_dflash import (
+    BatchEngine,
+    PrefixCache,
+    load_drafter,
+    quantize_kv,
+    save_drafter,
+    stream_generate,
+    stream_generate_cached,
+)
 from mlx_dflash.target import Target
 
 WINDOW = 8
@@ -109,3 +115,68 @@ def test_the_window_is_kept_in_the_config(tmp_path):
     config["sliding_window_size"] = 1024
     (tmp_path / "d" / "config.json").write_text(json.dumps(config))
     assert load_drafter(tmp_path / "d", model=model).args.context_window == 1024
+
+
+# -- quantized KV caches -------------------------------------------------------------------------
+@pytest.fixture
+def quantized():
+    """A tiny target whose KV caches are quantized to 4 bits (head_dim 32: groups of 32)."""
+    model = make_target("qwen3", heads=2, kv_heads=1)
+    quantize_kv(model, 4, group_size=32)
+    yield model
+    quantize_kv(model, None)
+
+
+def _run(model, drafter, tok, prompt, n=40, **kw):
+    return [t for r in stream_generate(model, drafter, tok, prompt, max_tokens=n, **kw)
+            for t in r.tokens]
+
+
+@pytest.mark.parametrize("make", [make_drafter, make_dspark])
+def test_quantized_kv_is_lossless_against_the_quantized_target(quantized, make):
+    """Greedy and seeded sampling with 4-bit KV caches: equal to plain decoding with the same
+    caches (not to the full-precision target's), with chains, fixed blocks, trees, the batch
+    engine and the prefix cache."""
+    model = quantized
+    drafter = make(model, block_size=6)
+    tok = make_tokenizer(128)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 128, size=n).tolist() for n in (12, 60, 300)]
+    assert type(Target(model).make_cache()[0]).__name__ == "QuantizedKVCache"
+    plain = [_run(model, None, tok, p) for p in prompts]
+    quantize_kv(model, None)
+    assert [_run(model, None, tok, p) for p in prompts] != plain  # the quantization shows
+    quantize_kv(model, 4, group_size=32)
+    for p, want in zip(prompts, plain):
+        assert _run(model, drafter, tok, p) == want
+        assert _run(model, drafter, tok, p, block_size=4) == want
+        assert _run(model, drafter, tok, p, tree="auto") == want
+        seeded = _run(model, None, tok, p, temperature=1.0, seed=3)
+        assert _run(model, drafter, tok, p, temperature=1.0, seed=3) == seeded
+    engine = BatchEngine(model, drafter, tok, max_batch=3)
+    ids = [engine.submit(p, max_tokens=40) for p in prompts]
+    out = {i: [] for i in ids}
+    while not engine.idle:
+        for rid, r in engine.step():
+            out[rid] += r.tokens
+    assert [out[i] for i in ids] == plain
+    store = PrefixCache(1 << 30)
+    for _ in range(2):  # the second continues from the first's quantized caches
+        got = [t for r in stream_generate_cached(store, model, drafter, tok, prompts[1],
+                                                 max_tokens=40) for t in r.tokens]
+        assert got == plain[1]
+
+
+def test_quantized_kv_takes_less_memory_and_refuses_what_it_cannot_do():
+    from mlx_dflash.schedule import kv_bytes_per_position
+
+    model = make_target("qwen3", heads=2, kv_heads=1)
+    full = kv_bytes_per_position(Target(model))
+    quantize_kv(model, 4, group_size=32)
+    assert kv_bytes_per_position(Target(model)) < full / 4
+    with pytest.raises(ValueError, match="bits must be one of"):
+        quantize_kv(model, 7)
+    with pytest.raises(ValueError, match="does not divide the target's head dimension 32"):
+        quantize_kv(model, 4, group_size=64)
+    quantize_kv(model, None)
+    assert kv_bytes_per_position(Target(model)) == full

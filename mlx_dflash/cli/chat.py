@@ -11,6 +11,7 @@ from ..policy import COPY_DRAFTS
 from .app import app, fail
 from .common import (
     DRAFT_WINDOW_HELP,
+    KV_BITS_HELP,
     SPLIT_HELP,
     TREE_HELP,
     PrefillProgress,
@@ -94,6 +95,7 @@ def chat(
     split: str = typer.Option("auto", "--split", help=SPLIT_HELP),
     draft_window: Optional[int] = typer.Option(None, "--draft-window", min=0,
                                                help=DRAFT_WINDOW_HELP),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
 ) -> None:
     """Chat with the model (multi-turn, its chat template), one statistics line per reply.
 
@@ -115,7 +117,7 @@ def chat(
     speak = distributed.is_root()  # under mlx.launch rank 0 reads and prints; the rest follow
     tic = time.perf_counter()
     target, draft, tokenizer = load_pair(model, drafter, split=split,
-                                         draft_window=draft_window)
+                                         draft_window=draft_window, kv_bits=kv_bits)
     if not getattr(tokenizer, "has_chat_template", False):
         fail(f"the tokenizer of {model or 'the default model'} has no chat template; "
              "use `mlx-dflash generate --no-chat-template` for plain text completion")

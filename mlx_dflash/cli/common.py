@@ -34,12 +34,21 @@ class PrefillProgress:
 
 
 def load_pair(model: str | None, drafter: str | None, block_size: int | None = None,
-              split: str = "auto", draft_window: int | None = None) -> tuple:
+              split: str = "auto", draft_window: int | None = None,
+              kv_bits: int | None = None) -> tuple:
     """(model, drafter, tokenizer). No --model: the package's default pair. Under mlx.launch
     (several ranks, distributed.py) the target is split across them (``split``: how, see
     ``distributed.shard_target``). ``draft_window``: the drafter attends to that many last
-    context positions (0: all of them; None: as its config says)."""
+    context positions (0: all of them; None: as its config says). ``kv_bits``: the target's
+    full-attention KV caches quantized to that many bits (target.quantize_kv)."""
     pair = _load_pair(model, drafter, split)
+    if kv_bits is not None:
+        from ..target import quantize_kv
+
+        try:
+            quantize_kv(pair[0], kv_bits)
+        except ValueError as e:
+            fail(f"--kv-bits: {e}")
     if draft_window is not None:
         from ..drafters.dflash import DFlashDraftModel
 
@@ -50,6 +59,10 @@ def load_pair(model: str | None, drafter: str | None, block_size: int | None = N
     return pair
 
 
+KV_BITS_HELP = ("Quantize the target's keys and values to this many bits (4 or 8; group size "
+                "64) from the first position on: less memory at long contexts. Speculative "
+                "output equals plain decoding with the same quantized caches, not the "
+                "full-precision model's.")
 DRAFT_WINDOW_HELP = ("The drafter attends to the last N context positions only (0: all): its "
                      "pass then costs the same at any context length. Default: its config's "
                      "context_window, else all.")

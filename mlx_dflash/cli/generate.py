@@ -11,6 +11,7 @@ from ..policy import COPY_DRAFTS
 from .app import app, fail
 from .common import (
     DRAFT_WINDOW_HELP,
+    KV_BITS_HELP,
     SPLIT_HELP,
     TREE_HELP,
     PrefillProgress,
@@ -40,6 +41,7 @@ def generate(
     split: str = typer.Option("auto", "--split", help=SPLIT_HELP),
     draft_window: Optional[int] = typer.Option(None, "--draft-window", min=0,
                                                help=DRAFT_WINDOW_HELP),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
     seed: Optional[int] = typer.Option(None, "--seed"),
     no_chat_template: bool = typer.Option(False, "--no-chat-template",
                                           help="Send the prompt as raw text."),
@@ -68,7 +70,7 @@ def generate(
     from ..decode import stream_generate
 
     target, draft, tokenizer = load_pair(model, drafter, split=parse_split(split),
-                                         draft_window=draft_window)
+                                         draft_window=draft_window, kv_bits=kv_bits)
     seed = distributed.common_seed(seed)
     if seed is not None:
         mx.random.seed(seed)

@@ -15,6 +15,7 @@ from ..policy import COPY_DRAFTS
 from .app import app, fail
 from .common import (
     DRAFT_WINDOW_HELP,
+    KV_BITS_HELP,
     SPLIT_HELP,
     TREE_HELP,
     load_pair,
@@ -121,6 +122,7 @@ def serve(
     split: str = typer.Option("auto", "--split", help=SPLIT_HELP),
     draft_window: Optional[int] = typer.Option(None, "--draft-window", min=0,
                                                help=DRAFT_WINDOW_HELP),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
 ) -> None:
     """Serve models over OpenAI- and Anthropic-compatible APIs (/v1/chat/completions,
     /v1/completions, /v1/responses, /v1/messages, /v1/models)."""
@@ -146,7 +148,7 @@ def serve(
     for entry in entries:
         name = entry.name or entry.model or DEFAULT_TARGET_NAME
         load = functools.partial(load_pair, entry.model, entry.drafter, split=split,
-                                 draft_window=draft_window)
+                                 draft_window=draft_window, kv_bits=kv_bits)
         served.append(lazy_model(name, load, block_size=entry.block_size or block_size,
                                  max_context=max_context,
                                  template_kwargs={**template_kwargs,
