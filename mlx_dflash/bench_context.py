@@ -202,11 +202,12 @@ def run_context_bench(model: Any, drafter: Any, tokenizer: Any, lengths: Sequenc
                       turns: Sequence[tuple[str, str]], questions: Sequence[str],
                       prompts: int = 2, max_tokens: int = 128, concurrency: Sequence[int] = (),
                       windows: Sequence[int] = (), kinds: Sequence[str] = ("code", "chat"),
-                      progress: bool = True) -> dict:
+                      compare_prefill: bool = True, progress: bool = True) -> dict:
     """Per context length and kind: plain mlx-lm decoding, our default settings ("auto") and
     the same with the drafter's context window at each of ``windows``, on ``prompts`` prompts
     interleaved; with ``concurrency`` c, groups of c prompts through our batch engine with and
-    without the drafter. Pass costs at each length; prefill tokens/s, ours and mlx-lm's."""
+    without the drafter. Pass costs at each length; prefill tokens/s, ours and (with
+    ``compare_prefill``: one more prefill of the first prompt) mlx-lm's."""
     from . import _blas
 
     width = verify_width(drafter)  # what stream_generate and the batch engine time
@@ -245,7 +246,8 @@ def run_context_bench(model: Any, drafter: Any, tokenizer: Any, lengths: Sequenc
             row: dict[str, Any] = {
                 "prompt_tokens_mean": sum(map(len, toks)) / len(toks),
                 "prefill_tps": sum(len(t) - 1 for t in toks) / sum(prefill_s),
-                "mlx_lm_prefill_tps": mlx_lm_prefill_tps(model, tokenizer, toks[0]),
+                "mlx_lm_prefill_tps": (mlx_lm_prefill_tps(model, tokenizer, toks[0])
+                                       if compare_prefill else None),
             }
             plain = {"tokens": 0, "seconds": 0.0}
             spec = {v: {"tokens": 0, "seconds": 0.0, "acc": [], "differing": 0} for v in variants}

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from . import distributed
 from .accept import SamplingParams
@@ -143,12 +143,18 @@ def stretch(c: Any, context: int) -> None:
     a pass over it costs what one over real text would, without a prefill of that length
     (minutes on a CPU at 16k). Other caches (windows, recurrent states) are left as they are:
     their cost does not grow past what they hold."""
-    if type(c) is not KVCache or c.keys is None or c.offset >= context:
+    if type(c) not in (KVCache, QuantizedKVCache) or c.keys is None or c.offset >= context:
         return
     held = c.offset
     reps = -(-context // held)
-    c.keys = mx.tile(c.keys[..., :held, :], (1, 1, reps, 1))[..., :context, :]
-    c.values = mx.tile(c.values[..., :held, :], (1, 1, reps, 1))[..., :context, :]
+
+    def repeated(a: mx.array) -> mx.array:
+        return mx.tile(a[..., :held, :], (1, 1, reps, 1))[..., :context, :]
+
+    if isinstance(c.keys, tuple):  # quantized: packed values, scales, biases
+        c.keys, c.values = tuple(map(repeated, c.keys)), tuple(map(repeated, c.values))
+    else:
+        c.keys, c.values = repeated(c.keys), repeated(c.values)
     c.offset = context
 
 

@@ -72,3 +72,31 @@ def test_batch_bench_with_staggered_arrivals():
     for v in results["domains"]["chat"]["3"].values():
         assert v["tokens"] == 24 and v["outputs_differing_from_mlx_lm"] == 0
         assert v["seconds"] >= 0.4  # the last request arrives 0.4 s in
+
+
+def test_context_bench_on_tiny_pair():
+    """The long-context bench: prompts near each length, plain against auto and a drafter
+    window, alone and batched, every output equal to plain."""
+    from mlx_dflash.bench_context import format_context_table, run_context_bench
+
+    model = make_target("qwen3", vocab_size=96)
+    tok = make_tokenizer(96, eos_id=96)
+    tok._tokenizer.chat_template = ("{% for m in messages %}w3 {{ m['content'] }} "
+                                    "{% endfor %}w4")
+    turns = [(f"w{5 + i} w6 w7", f"w8 w9 w{10 + i}") for i in range(40)]
+    results = run_context_bench(model, make_drafter(model, block_size=4), tok, [64, 160],
+                                turns=turns, questions=["w11 w12"], prompts=1, max_tokens=8,
+                                concurrency=[2], windows=[16], compare_prefill=False,
+                                progress=False)
+    for length in ("64", "160"):
+        entry = results["lengths"][length]
+        assert entry["pass_costs"]["draft_s_window16"] > 0
+        for kind in ("code", "chat"):
+            row = entry[kind]
+            assert int(length) - 64 <= row["prompt_tokens_mean"] <= int(length)
+            assert set(row["speculative"]) == {"auto", "auto+window16"}
+            for v in row["speculative"].values():
+                assert v["outputs_differing_from_plain"] == 0
+                assert v["tokens"] == row["plain"]["tokens"] == 8
+            assert row["concurrency2"]["outputs_differing_from_plain"] == 0
+    assert "| code | auto+window16 |" in format_context_table(results)

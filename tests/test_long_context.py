@@ -180,3 +180,37 @@ def test_quantized_kv_takes_less_memory_and_refuses_what_it_cannot_do():
         quantize_kv(model, 4, group_size=64)
     quantize_kv(model, None)
     assert kv_bytes_per_position(Target(model)) == full
+
+
+def test_quantized_caches_admit_more_requests_under_the_same_memory(monkeypatch):
+    """A memory budget that holds two full-precision rows holds more 4-bit ones: the batch
+    engine's admission counts the packed bytes, and every output stays the quantized target's."""
+    import mlx_dflash.batch as batch
+
+    model = make_target("qwen3", heads=2, kv_heads=1)
+    tok = make_tokenizer(128)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 128, size=40).tolist() for _ in range(6)]
+    drafter = make_drafter(model, block_size=6)
+
+    def most_at_once(budget_rows: float) -> tuple[int, list]:
+        engine = BatchEngine(model, drafter, tok, max_batch=8, block_size=6, reserve_bytes=0)
+        full_bytes = 4 * 2 * 4 * 1 * 32  # float32 K and V, 4 layers, 1 KV head of 32
+        budget = int(budget_rows * 2 * full_bytes * (40 + 20 + 6))
+        monkeypatch.setattr(batch, "memory_headroom",
+                            lambda: budget - sum(layer.nbytes for layer in engine.cache))
+        ids = [engine.submit(p, max_tokens=20) for p in prompts]
+        out, most = {i: [] for i in ids}, 0
+        while not engine.idle:
+            for rid, r in engine.step():
+                out[rid] += r.tokens
+            most = max(most, len(engine.running))
+        return most, [out[i] for i in ids]
+
+    assert Target(model).num_layers == 4
+    assert most_at_once(2.5)[0] == 2
+    quantize_kv(model, 4, group_size=32)
+    most, outs = most_at_once(2.5)
+    assert most >= 4
+    assert outs == [_run(model, None, tok, p, n=20) for p in prompts]
+    quantize_kv(model, None)

@@ -60,6 +60,9 @@ def bench(
     draft_window: List[int] = typer.Option([], "--draft-window", min=0, help="With "
                                            "--context: also run the drafter attending to this "
                                            "many last context positions; repeatable."),
+    prefill_compare: bool = typer.Option(True, "--prefill-compare/--no-prefill-compare",
+                                         help="With --context: also time mlx-lm's prefill of "
+                                         "the first prompt of each kind (one more prefill)."),
 ) -> None:
     """Compare plain greedy decoding with DFlash at several block sizes (runs interleaved)."""
     from ..bench import (
@@ -104,7 +107,7 @@ def bench(
         results = run_context_bench(target, draft, tokenizer, lengths, turns=turns,
                                     questions=questions, prompts=limit or 2,
                                     max_tokens=max_tokens, concurrency=concurrency,
-                                    windows=draft_window)
+                                    windows=draft_window, compare_prefill=prefill_compare)
         results["settings"]["drafter"] = drafter or DEFAULT_DRAFTER
         results["settings"]["model"] = model or "default (SmolLM2-135M-Instruct, float32)"
         typer.echo(format_context_table(results))
