@@ -131,8 +131,8 @@ class BatchEngine:
         self.auto = block_size is None and schedule
         # One verify budget across the batch (measured once per model pair and machine).
         # (tree="auto": timed as wide as its trees verify)
-        self.costs = (cached_batch_costs(self.target, self.drafter, max(
-            self.width, TREE_MAX + 1 if self.tree == AUTO else 0))
+        self.costs_width = max(self.width, TREE_MAX + 1 if self.tree == AUTO else 0)
+        self.costs = (cached_batch_costs(self.target, self.drafter, self.costs_width)
                       if self.auto and self.drafter is not None else None)
         self.copy_drafts, self.copy_ngram = copy_drafts, copy_ngram
         self.max_batch, self.prefill_step = max_batch, prefill_step_size
@@ -238,7 +238,12 @@ class BatchEngine:
         tic = time.perf_counter()
         r.policy = BlockPolicy.for_request(self.target, self.drafter, self.width, r.tokens,
                                            self.auto, self.copy_drafts, self.copy_ngram,
-                                           size_trees=self.tree == AUTO)
+                                           size_trees=self.tree == AUTO,
+                                           reach=len(r.tokens) + r.max_tokens)
+        if self.costs is not None and len(r.tokens) + r.max_tokens > self.costs.single.contexts[-1]:
+            # the batch's budget as far as this request reaches (measured once, then cached)
+            self.costs = cached_batch_costs(self.target, self.drafter, self.costs_width,
+                                            len(r.tokens) + r.max_tokens)
         pair = None
         if self.store is not None:
             pair, _ = continue_from(self.store, r.tokens, self.target, self.drafter,

@@ -179,20 +179,24 @@ def pass_costs(model: Any, drafter: Any, context: int, width: int, windows: Sequ
     ``context``-token cache, the drafter with each of ``windows`` too (0: all the context),
     timed in turn; the drafter's share of a cycle (draft / (draft + verify))."""
     target = as_target(model)
-    passes = snapshot_passes(target, drafter, context, width, (1, width))
     saved = drafter.args.context_window
-    windowed = {}
-    for w in windows:
-        drafter.args.context_window = w or None
-        windowed[w] = snapshot_passes(target, drafter, context, width, ())[-1]
-    try:
-        times = best_times(passes[:3] + list(windowed.values()), reps)
-    finally:
-        drafter.args.context_window = saved
+
+    def with_window(fn: Any, window: int | None) -> Any:
+        def run() -> None:  # the drafter reads its window when it runs
+            drafter.args.context_window = window
+            try:
+                fn()
+            finally:
+                drafter.args.context_window = saved
+        return run
+
+    one, block, draft = snapshot_passes(target, drafter, context, width, (1, width))
+    draft_passes = [with_window(draft, w or None) for w in windows]
+    times = best_times([one, block, draft, *draft_passes], reps)
     one, block = times[:2]
     row = {"decode_s": one, "verify_s": block, "verify_decode_ratio": block / one,
            "draft_s": times[2], "drafter_share": times[2] / (times[2] + block)}
-    for w, t in zip(windowed, times[3:]):
+    for w, t in zip(windows, times[3:]):
         row[f"draft_s_window{w}"] = t
         row[f"drafter_share_window{w}"] = t / (t + block)
     return row
@@ -223,11 +227,12 @@ def run_context_bench(model: Any, drafter: Any, tokenizer: Any, lengths: Sequenc
     variants = {"auto": None, **{f"auto+window{w}": w for w in windows}}
     saved = drafter.args.context_window
     target = as_target(model)
+    reach = max(lengths) + max_tokens
     for w in variants.values():  # the scheduler's pass costs: timed before any clock
         drafter.args.context_window = w or saved
-        cached_costs(target, drafter, width)
+        cached_costs(target, drafter, width, reach)
         if concurrency:
-            cached_batch_costs(target, drafter, width)
+            cached_batch_costs(target, drafter, width, reach)
     drafter.args.context_window = saved
     for length in lengths:
         entry = results["lengths"][str(length)] = {

@@ -245,7 +245,8 @@ def stream_generate(
         # Before any clock starts: the scheduler's first use times the passes (then cached).
         policy = BlockPolicy.for_request(target, drafter, width, tokens,
                                          block_size is None and schedule and tree in (None, AUTO),
-                                         copy_drafts, copy_ngram, size_trees=tree == AUTO)
+                                         copy_drafts, copy_ngram, size_trees=tree == AUTO,
+                                         reach=len(tokens) + max_tokens)
         spec = Speculator(target, drafter, params, width, tokens, prompt_cache)
 
         def plan(anchor: mx.array, room: int, context: int, may_look_up: bool = True) -> Cycle:

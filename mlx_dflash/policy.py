@@ -36,18 +36,20 @@ class BlockPolicy:
     @classmethod
     def for_request(cls, target: Target, drafter: Drafter | None, width: int,
                     tokens: Sequence[int], schedule: bool, copy_drafts: bool = COPY_DRAFTS,
-                    copy_ngram: int = COPY_NGRAM, size_trees: bool = False) -> BlockPolicy:
+                    copy_ngram: int = COPY_NGRAM, size_trees: bool = False, reach: int = 0
+                    ) -> BlockPolicy:
         """The policy for one request; with ``schedule``, the scheduler's pass costs are
-        measured on first use (then cached per model pair and machine); ``size_trees``: a
-        tree sizer too (its pass costs measured up to TREE_MAX + 1 tokens)."""
+        measured on first use (then cached per model pair and machine) as far as the request
+        ``reach``-es (its prompt and most tokens); ``size_trees``: a tree sizer too (its pass
+        costs measured up to TREE_MAX + 1 tokens)."""
         if drafter is None:
             return cls(width)
         scheduler = sizer = None
         if schedule:
-            scheduler = Scheduler(cached_costs(target, drafter, width), width - 1,
+            scheduler = Scheduler(cached_costs(target, drafter, width, reach), width - 1,
                                   bytes_per_verified_token(target))
         if size_trees:
-            sizer = TreeSizer(cached_costs(target, drafter, TREE_MAX + 1))
+            sizer = TreeSizer(cached_costs(target, drafter, TREE_MAX + 1, reach))
         index = CopyIndex(list(tokens), copy_ngram, COPY_LONGEST) if copy_drafts else None
         return cls(width, index, drafter.ngram if copy_drafts else None, scheduler, sizer)
 

@@ -18,7 +18,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -163,12 +163,17 @@ def chained(drafter: Drafter) -> bool:
     return bool(getattr(drafter, "chained", False))
 
 
-def _costs_at(target: Target, drafter: Drafter | None, context: int, max_tokens: int, rounds: int):
+def _costs_at(target: Target, drafter: Drafter | None, context: int, max_tokens: int, rounds: int,
+              timed: tuple[int, ...] | None = None):
     """(seconds of a target pass of each size, of the first draft, of each draft after it) at
-    ``context``: a block drafter's pass is all first draft."""
-    times = best_times(snapshot_passes(target, drafter, context, max_tokens), rounds)
-    n = len(_sizes(max_tokens))
+    ``context``: a block drafter's pass is all first draft. ``timed``: the sizes actually
+    timed (the others interpolated); all by default."""
+    sizes = _sizes(max_tokens)
+    timed = timed or sizes
+    times = best_times(snapshot_passes(target, drafter, context, max_tokens, timed), rounds)
+    n = len(timed)
     verify, (full, *one) = times[:n], times[n:]
+    verify = np.interp(sizes, timed, verify).tolist()
     if not one:
         return verify, full, 0.0
     step = max(full - one[0], 0.0) / max(max_tokens - 2, 1)
@@ -179,15 +184,19 @@ def _sizes(max_tokens: int) -> tuple[int, ...]:
     return tuple(n for n in SIZES if n < max_tokens) + (max_tokens,)
 
 
-def measure_costs(target: Target, drafter: Drafter, max_tokens: int, reps: int = 5) -> PassCosts:
+def measure_costs(target: Target, drafter: Drafter, max_tokens: int, reps: int = 5,
+                  contexts: tuple[int, ...] = CONTEXTS) -> PassCosts:
     """Best-of-``reps`` time of a target pass of 1..max_tokens tokens at each context length,
     and of one drafter pass, all timed in turn within each round (``best_times``)."""
-    # The long contexts' passes take seconds each on a CPU: fewer rounds there.
-    measured = {c: _costs_at(target, drafter, c, max_tokens, reps if c <= 1024 else min(reps, 3))
-                for c in CONTEXTS}
-    _, draft, step = measured[CONTEXTS[0]]
-    return PassCosts({c: m[0] for c, m in measured.items()}, draft, CONTEXTS,
-                     _sizes(max_tokens), step, [measured[c][1] for c in CONTEXTS])
+    # The long contexts' passes take seconds each on a CPU: fewer rounds there, and a few
+    # sizes (1, 2, 4 and the widest; the others interpolated, within ~10% where measured).
+    long_sizes = tuple(n for n in _sizes(max_tokens) if n in (1, 2, 4) or n == max_tokens)
+    measured = {c: _costs_at(target, drafter, c, max_tokens, reps) if c <= 1024 else
+                _costs_at(target, drafter, c, max_tokens, min(reps, 3), long_sizes)
+                for c in contexts}
+    _, draft, step = measured[contexts[0]]
+    return PassCosts({c: m[0] for c, m in measured.items()}, draft, contexts,
+                     _sizes(max_tokens), step, [measured[c][1] for c in contexts])
 
 
 def _cache_file(target: Target, drafter: Drafter, max_tokens: int) -> Path:
@@ -238,38 +247,56 @@ def _cached(path: Path, read: Callable[[dict], Any], measure: Callable[[], Any],
     return costs
 
 
-def cached_costs(target: Target, drafter: Drafter, max_tokens: int) -> PassCosts:
-    """The pass costs for this model pair and machine, measured on first use (a few seconds).
-    Across machines (distributed.py) every rank takes rank 0's."""
+def contexts_for(reach: int) -> tuple[int, ...]:
+    """The contexts pass costs are measured at for requests that reach ``reach`` tokens: those
+    up to 1024 always, the longer ones up to the first at or past ``reach`` (a long context's
+    passes take seconds each to time on a CPU: only when a request needs them)."""
+    contexts = [c for c in CONTEXTS if c <= 1024]
+    for c in CONTEXTS[len(contexts):]:
+        if contexts[-1] >= reach:
+            break
+        contexts.append(c)
+    return tuple(contexts)
+
+
+def cached_costs(target: Target, drafter: Drafter, max_tokens: int, reach: int = 0
+                 ) -> PassCosts:
+    """The pass costs for this model pair and machine, measured on first use (a few seconds)
+    at the contexts a request reaching ``reach`` tokens needs (``contexts_for``; more when the
+    cache already has them). Across machines (distributed.py) every rank takes rank 0's."""
     sizes = _sizes(max_tokens)
+    contexts = contexts_for(reach)
+    n = len(contexts)
 
     def read(data: dict) -> PassCosts | None:
         costs = PassCosts({int(k): v for k, v in data["verify_s"].items()}, data["draft_s"],
                           tuple(data["contexts"]), tuple(data["sizes"]),
                           data.get("draft_step_s", 0.0), data["draft_by_context"])
-        times = [t for ctx in CONTEXTS for t in costs.verify_s[ctx]] + [costs.draft_s]
+        if costs.sizes != sizes or costs.contexts[:n] != contexts:
+            return None  # measured for another width, or not as far: measured anew
+        times = [t for ctx in contexts for t in costs.verify_s[ctx]] + [costs.draft_s]
         if min(times) <= 0:  # a broken measurement: measured anew
             return None
-        return costs if (costs.contexts, costs.sizes) == (CONTEXTS, sizes) else None
+        return replace(costs, verify_s={c: costs.verify_s[c] for c in contexts},
+                       contexts=contexts, draft_by_context=costs.draft_by_context[:n])
 
     def measure() -> PassCosts:
         if distributed.is_root():
             import sys
 
-            print("Timing target and drafter passes for the block scheduler (once per model "
-                  "pair and machine) ...", file=sys.stderr, flush=True)
-        return measure_costs(target, drafter, max_tokens)
-
-    n = len(CONTEXTS)
+            print(f"Timing target and drafter passes for the block scheduler up to {contexts[-1]}"
+                  " tokens of context (once per model pair and machine) ...", file=sys.stderr,
+                  flush=True)
+        return measure_costs(target, drafter, max_tokens, contexts=contexts)
 
     def unflat(v: np.ndarray) -> PassCosts:
         verify = v[: n * len(sizes)].reshape(n, len(sizes))
         draft_step, draft = v[n * len(sizes)], v[n * len(sizes) + 1:]
-        return PassCosts({c: verify[i].tolist() for i, c in enumerate(CONTEXTS)},
-                         float(draft[0]), CONTEXTS, sizes, float(draft_step), draft.tolist())
+        return PassCosts({c: verify[i].tolist() for i, c in enumerate(contexts)},
+                         float(draft[0]), contexts, sizes, float(draft_step), draft.tolist())
 
     return _cached(_cache_file(target, drafter, max_tokens), read, measure, asdict,
-                   lambda c: [v for ctx in CONTEXTS for v in c.verify_s[ctx]]
+                   lambda c: [v for ctx in contexts for v in c.verify_s[ctx]]
                    + [c.draft_step_s, *c.draft_by_context],
                    unflat, n * len(sizes) + 1 + n)
 
@@ -538,10 +565,12 @@ def measure_draft_ratios(target: Target, drafter: Drafter, max_tokens: int, reps
     return {r: t / times[0] for r, t in zip(BATCH_ROWS, times)}
 
 
-def cached_batch_costs(target: Target, drafter: Drafter, max_tokens: int) -> BatchCosts:
-    """A batch's pass costs for this model pair and machine, measured on first use. Across
-    machines (distributed.py) every rank takes rank 0's."""
-    single = cached_costs(target, drafter, max_tokens)
+def cached_batch_costs(target: Target, drafter: Drafter, max_tokens: int, reach: int = 0
+                       ) -> BatchCosts:
+    """A batch's pass costs for this model pair and machine, measured on first use (a single
+    request's as far as ``reach``: see cached_costs). Across machines (distributed.py) every
+    rank takes rank 0's."""
+    single = cached_costs(target, drafter, max_tokens, reach)
     sizes, rows = _sizes(max_tokens), BATCH_ROWS
 
     def read(data: dict) -> BatchCosts | None:

@@ -32,6 +32,16 @@ def _context(model, drafter, tokens):
     return target, cache
 
 
+def _batched(engine, prompts, n=40):
+    """Every prompt's reply through the batch engine, all submitted at once."""
+    ids = [engine.submit(p, max_tokens=n) for p in prompts]
+    out = {i: [] for i in ids}
+    while not engine.idle:
+        for rid, r in engine.step():
+            out[rid] += r.tokens
+    return [out[i] for i in ids]
+
+
 def _block(drafter, target, feats):
     """The block's hidden states over a context of these target features."""
     cache = drafter.make_cache()
@@ -92,14 +102,8 @@ def test_greedy_is_lossless_past_the_drafters_window(make):
     for p, want in zip(prompts, wants):
         got = [t for r in stream_generate(model, drafter, tok, p, max_tokens=40) for t in r.tokens]
         assert_same_or_near_tie(model, p, got, want)
-    engine = BatchEngine(model, drafter, tok, max_batch=2)
-    ids = [engine.submit(p, max_tokens=40) for p in prompts]
-    out = {i: [] for i in ids}
-    while not engine.idle:
-        for rid, r in engine.step():
-            out[rid] += r.tokens
-    for i, p, want in zip(ids, prompts, wants):
-        assert_same_or_near_tie(model, p, out[i], want)
+    for p, got, want in zip(prompts, _batched(BatchEngine(model, drafter, tok), prompts), wants):
+        assert_same_or_near_tie(model, p, got, want)
 
 
 def test_the_window_is_kept_in_the_config(tmp_path):
@@ -153,13 +157,7 @@ def test_quantized_kv_is_lossless_against_the_quantized_target(quantized, make):
         assert _run(model, drafter, tok, p, tree="auto") == want
         seeded = _run(model, None, tok, p, temperature=1.0, seed=3)
         assert _run(model, drafter, tok, p, temperature=1.0, seed=3) == seeded
-    engine = BatchEngine(model, drafter, tok, max_batch=3)
-    ids = [engine.submit(p, max_tokens=40) for p in prompts]
-    out = {i: [] for i in ids}
-    while not engine.idle:
-        for rid, r in engine.step():
-            out[rid] += r.tokens
-    assert [out[i] for i in ids] == plain
+    assert _batched(BatchEngine(model, drafter, tok), prompts) == plain
     store = PrefixCache(1 << 30)
     for _ in range(2):  # the second continues from the first's quantized caches
         got = [t for r in stream_generate_cached(store, model, drafter, tok, prompts[1],

@@ -65,6 +65,30 @@ def test_measured_costs_have_one_entry_per_block():
     assert costs.draft_s > 0 and costs.verify(2, 500) > 0 and costs.draft(1, 9000) > 0
 
 
+def test_long_contexts_are_timed_when_a_request_reaches_them(tmp_path, monkeypatch):
+    """Short requests time 128 and 1024 tokens of context only; one that reaches 3000 times
+    4096 too (and the file keeps it for all); what is read is what was asked for."""
+    from mlx_dflash import schedule
+    from mlx_dflash.schedule import contexts_for
+    from mlx_dflash.target import Target
+
+    assert contexts_for(0) == (128, 1024) and contexts_for(1024) == (128, 1024)
+    assert contexts_for(3000) == (128, 1024, 4096) and contexts_for(10**6) == CONTEXTS
+    monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path))
+    model = make_target("qwen3")
+    drafter = make_drafter(model, block_size=4)
+    target = Target(model)
+    timed = []
+    measure = schedule.measure_costs
+    monkeypatch.setattr(schedule, "measure_costs",
+                        lambda *a, **k: timed.append(k["contexts"]) or measure(*a, **k))
+    assert schedule.cached_costs(target, drafter, 4).contexts == (128, 1024)
+    assert schedule.cached_costs(target, drafter, 4, reach=3000).contexts == (128, 1024, 4096)
+    assert schedule.cached_costs(target, drafter, 4).contexts == (128, 1024)  # read, cut
+    assert schedule.cached_costs(target, drafter, 4, reach=2000).contexts == (128, 1024, 4096)
+    assert timed == [(128, 1024), (128, 1024, 4096)]
+
+
 def test_a_snapshot_times_long_contexts_without_prefilling_them():
     """The snapshot prefills PREFILLED tokens and repeats their K/V: the caches it times hold
     the whole context (so the passes cost what they would there)."""
