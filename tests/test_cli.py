@@ -59,3 +59,23 @@ def test_tree_option(tiny_pair):
     assert tree.stdout == plain.stdout
     bad = cli("generate", "w5 w6 w7", *pair, "--tree", "0")
     assert bad.returncode != 0 and "--tree takes a number of nodes" in bad.stderr
+
+
+def test_long_context_options(tiny_pair):
+    """--draft-window keeps the output; --kv-bits changes the caches, not the lossless rule
+    (equal to plain decoding with the same caches); values they cannot take are named."""
+    target_dir, drafter_dir = tiny_pair
+    pair = ["--model", str(target_dir), "--drafter", str(drafter_dir), "--max-tokens", "12"]
+    plain = cli("generate", "w5 w6 w7", *pair)
+    windowed = cli("generate", "w5 w6 w7", *pair, "--draft-window", "2")
+    assert windowed.returncode == 0, windowed.stderr
+    assert windowed.stdout == plain.stdout
+    bad = cli("generate", "w5 w6 w7", *pair, "--kv-bits", "7")
+    assert bad.returncode == 2 and "--kv-bits takes 2, 3, 4, 5, 6, 8, got 7" in bad.stderr
+    # the tiny target's heads are 16 wide: no group size of 32 or more divides them
+    small = cli("generate", "w5 w6 w7", *pair, "--kv-bits", "8")
+    assert small.returncode == 2
+    assert "does not divide the target's head dimension 16" in small.stderr
+    no_window = cli("generate", "w5 w6 w7", "--model", str(target_dir), "--drafter", "none",
+                    "--draft-window", "8")
+    assert no_window.returncode == 2 and "--draft-window applies to DFlash" in no_window.stderr

@@ -41,6 +41,10 @@ def load_pair(model: str | None, drafter: str | None, block_size: int | None = N
     ``distributed.shard_target``). ``draft_window``: the drafter attends to that many last
     context positions (0: all of them; None: as its config says). ``kv_bits``: the target's
     full-attention KV caches quantized to that many bits (target.quantize_kv)."""
+    from ..target import KV_BITS
+
+    if kv_bits is not None and kv_bits not in KV_BITS:  # before minutes of loading
+        fail(f"--kv-bits takes {', '.join(map(str, KV_BITS))}, got {kv_bits}")
     pair = _load_pair(model, drafter, split)
     if kv_bits is not None:
         from ..target import quantize_kv
