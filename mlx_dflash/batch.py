@@ -236,14 +236,13 @@ class BatchEngine:
         """A request's own state: its block policy and caches (continued from the prefix
         store when there is one)."""
         tic = time.perf_counter()
+        reach = len(r.tokens) + r.max_tokens
         r.policy = BlockPolicy.for_request(self.target, self.drafter, self.width, r.tokens,
                                            self.auto, self.copy_drafts, self.copy_ngram,
-                                           size_trees=self.tree == AUTO,
-                                           reach=len(r.tokens) + r.max_tokens)
-        if self.costs is not None and len(r.tokens) + r.max_tokens > self.costs.single.contexts[-1]:
+                                           size_trees=self.tree == AUTO, reach=reach)
+        if self.costs is not None and reach > self.costs.single.contexts[-1]:
             # the batch's budget as far as this request reaches (measured once, then cached)
-            self.costs = cached_batch_costs(self.target, self.drafter, self.costs_width,
-                                            len(r.tokens) + r.max_tokens)
+            self.costs = cached_batch_costs(self.target, self.drafter, self.costs_width, reach)
         pair = None
         if self.store is not None:
             pair, _ = continue_from(self.store, r.tokens, self.target, self.drafter,

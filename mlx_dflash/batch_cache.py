@@ -26,14 +26,9 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from .target import (
-    FULL, RECURRENT, SLIDING, Target, TargetCache, _parts, filled_kv, rotating_from_window,
-    window_kv,
+    FULL, RECURRENT, SLIDING, Target, TargetCache, _parts, each_part, filled_kv,
+    rotating_from_window, window_kv,
 )
-
-
-def _each(f: Any, a: Any) -> Any:
-    """``f`` on an array, or on each of a quantized cache's (packed, scales, biases)."""
-    return tuple(f(x) for x in a) if isinstance(a, tuple) else f(a)
 
 
 class BatchNotSupported(ValueError):
@@ -124,8 +119,8 @@ class RaggedKVCache:
         self._pass = (start, self.offset)
         self.offset = self.offset + S
         self._idx += S
-        return (_each(lambda x: x[..., : self._idx, :], self.keys),
-                _each(lambda x: x[..., : self._idx, :], self.values))
+        return (each_part(lambda x: x[..., : self._idx, :], self.keys),
+                each_part(lambda x: x[..., : self._idx, :], self.values))
 
     # -- what the batch engine calls ------------------------------------------------------------
     def commit(self, kept: Sequence[int]) -> None:
@@ -170,8 +165,8 @@ class RaggedKVCache:
         self._reserve(self._idx, keys, values)
         capacity = self.capacity
         pad = [(0, 0), (0, 0), (0, capacity - P), (0, 0)]
-        self.keys = _join(self.keys, _each(lambda x: mx.pad(x, pad), keys))
-        self.values = _join(self.values, _each(lambda x: mx.pad(x, pad), values))
+        self.keys = _join(self.keys, each_part(lambda x: mx.pad(x, pad), keys))
+        self.values = _join(self.values, each_part(lambda x: mx.pad(x, pad), values))
         self.valid = mx.concatenate([self.valid, (mx.arange(capacity) < P)[None]], axis=0)
         self.offset = mx.concatenate([self.offset, mx.array([start + P], dtype=mx.int32)])
         self.base = mx.concatenate([self.base, mx.array([start], dtype=mx.int32)])
@@ -182,8 +177,8 @@ class RaggedKVCache:
         T, n = self._idx, self.lengths[row]
         slots = mx.arange(T)
         order = mx.argsort(mx.where(self.valid[row, :T], slots, T + slots))[:n]
-        keys = _each(lambda x: x[row : row + 1, :, :T][:, :, order], self.keys)
-        values = _each(lambda x: x[row : row + 1, :, :T][:, :, order], self.values)
+        keys = each_part(lambda x: x[row : row + 1, :, :T][:, :, order], self.keys)
+        values = each_part(lambda x: x[row : row + 1, :, :T][:, :, order], self.values)
         if self.window is not None:
             offset = self.base[row].item() + n  # (a row leaving: not per token)
             return rotating_from_window(keys, values, offset, self.window)
@@ -206,8 +201,8 @@ class RaggedKVCache:
             return
         idx = mx.array(list(rows), dtype=mx.int32)
         if self.keys is not None:
-            self.keys, self.values = _each(lambda x: x[idx], self.keys), _each(lambda x: x[idx],
-                                                                               self.values)
+            self.keys = each_part(lambda x: x[idx], self.keys)
+            self.values = each_part(lambda x: x[idx], self.values)
         self.valid, self.offset, self.base = self.valid[idx], self.offset[idx], self.base[idx]
         self.lengths = [self.lengths[i] for i in rows]
         self.compact()
@@ -237,7 +232,7 @@ class RaggedKVCache:
         def squeezed(x: mx.array) -> mx.array:
             return mx.pad(mx.take_along_axis(x[..., :T, :], order[:, None, :, None], axis=2), pad)
 
-        self.keys, self.values = _each(squeezed, self.keys), _each(squeezed, self.values)
+        self.keys, self.values = each_part(squeezed, self.keys), each_part(squeezed, self.values)
         self.valid = mx.arange(capacity)[None, :] < mx.array(self.lengths)[:, None]
         self._idx = longest
 
@@ -252,13 +247,13 @@ class RaggedKVCache:
             def empty(x: mx.array) -> mx.array:
                 return mx.zeros((rows, x.shape[1], capacity, x.shape[3]), dtype=x.dtype)
 
-            self.keys, self.values = _each(empty, keys), _each(empty, values)
+            self.keys, self.values = each_part(empty, keys), each_part(empty, values)
             self.valid = mx.zeros((rows, capacity), dtype=mx.bool_)
             return
         grow = capacity - self.capacity
         pad = [(0, 0), (0, 0), (0, grow), (0, 0)]
-        self.keys = _each(lambda x: mx.pad(x, pad), self.keys)
-        self.values = _each(lambda x: mx.pad(x, pad), self.values)
+        self.keys = each_part(lambda x: mx.pad(x, pad), self.keys)
+        self.values = each_part(lambda x: mx.pad(x, pad), self.values)
         self.valid = mx.pad(self.valid, [(0, 0), (0, grow)])
 
 

@@ -54,12 +54,16 @@ def measure_pass_costs(
     return costs
 
 
-def _plain(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> tuple[list, float]:
+def _plain(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int,
+           prompt_cache: Any = None) -> tuple[list, float]:
+    """mlx-lm's greedy decoding (continuing from ``prompt_cache``, mlx-lm's layer caches,
+    when given)."""
     from mlx_lm import stream_generate as mlx_stream_generate
 
     tic = time.perf_counter()
     tokens = [r.token for r in mlx_stream_generate(model, tokenizer, prompt,
-                                                   max_tokens=max_tokens)]
+                                                   max_tokens=max_tokens,
+                                                   prompt_cache=prompt_cache)]
     elapsed = time.perf_counter() - tic
     if tokens and tokens[-1] in tokenizer.eos_token_ids:
         tokens = tokens[:-1]

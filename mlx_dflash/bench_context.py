@@ -11,7 +11,7 @@ against mlx-lm's. Greedy; every output is checked against plain decoding's.
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import json
 import platform
 import time
@@ -20,9 +20,8 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from .bench import _percentile
+from .bench import _engine_run, _percentile, _plain, _speculative
 from .cycle import prefill
-from .decode import stream_generate
 from .drafters.base import verify_width
 from .pair_cache import PairCache
 from .prefix_cache import PrefixCache
@@ -126,51 +125,16 @@ def mlx_lm_prefill_tps(model: Any, tokenizer: Any, tokens: list[int]) -> float:
     return 0.0
 
 
-def _plain(model: Any, tokenizer: Any, tokens: list[int], pair: PairCache, max_tokens: int
-           ) -> tuple[list[int], float]:
-    """mlx-lm's greedy decoding, continuing from a copy of the prefilled target cache."""
-    from mlx_lm import stream_generate as mlx_stream_generate
-
-    cache = list(pair.fork().target)
-    tic = time.perf_counter()
-    out = [r.token for r in mlx_stream_generate(model, tokenizer, tokens[-1:],
-                                                max_tokens=max_tokens, prompt_cache=cache)]
-    seconds = time.perf_counter() - tic
-    if out and out[-1] in tokenizer.eos_token_ids:
-        out = out[:-1]
-    return out, seconds
-
-
-def _speculative(model: Any, drafter: Any, tokenizer: Any, tokens: list[int], pair: PairCache,
-                 max_tokens: int) -> tuple[list[int], float, Any]:
-    out, last = [], None
-    tic = time.perf_counter()
-    for last in stream_generate(model, drafter, tokenizer, tokens, max_tokens=max_tokens,
-                                prompt_cache=pair.fork()):
-        out += last.tokens
-    return out, time.perf_counter() - tic, last.stats
-
-
 def _batched(model: Any, drafter: Any, tokenizer: Any, prompts: list[list[int]],
              pairs: list[PairCache], max_tokens: int) -> tuple[list[list[int]], float, list]:
     """Our batch engine on ``prompts`` arriving together, each continuing from a copy of its
-    prefilled pair (``drafter`` None: plain batched decoding)."""
-    from .batch import BatchEngine
-
+    prefilled pair (``drafter`` None: plain batched decoding): (outputs, seconds, latencies)."""
     store = PrefixCache(1 << 62)
     for pair in pairs:
         store.insert(pair.fork())
-    engine = BatchEngine(model, drafter, tokenizer, max_batch=len(prompts), prefix_cache=store)
-    ids = [engine.submit(p, max_tokens=max_tokens) for p in prompts]
-    out: dict[int, list[int]] = {i: [] for i in ids}
-    finish: dict[int, float] = {}
-    tic = time.perf_counter()
-    while not engine.idle:
-        for rid, r in engine.step():
-            out[rid] += r.tokens
-            if r.finish_reason is not None:
-                finish[rid] = time.perf_counter() - tic
-    return [out[i] for i in ids], time.perf_counter() - tic, [finish[i] for i in ids]
+    outs, seconds, times = _engine_run(model, drafter, tokenizer, prompts, max_tokens,
+                                       prefix_cache=store)
+    return outs, seconds, times["latency"]
 
 
 def pass_costs(model: Any, drafter: Any, context: int, width: int, windows: Sequence[int],
@@ -257,12 +221,13 @@ def run_context_bench(model: Any, drafter: Any, tokenizer: Any, lengths: Sequenc
             plain = {"tokens": 0, "seconds": 0.0}
             spec = {v: {"tokens": 0, "seconds": 0.0, "acc": [], "differing": 0} for v in variants}
             for t, pair in list(zip(toks, pairs))[:prompts]:
-                ref, s = _plain(model, tokenizer, t, pair, max_tokens)
+                ref, s = _plain(model, tokenizer, t[-1:], max_tokens, list(pair.fork().target))
                 plain["tokens"] += len(ref)
                 plain["seconds"] += s
                 for name, w in variants.items():
                     drafter.args.context_window = w or saved
-                    out, s, stats = _speculative(model, drafter, tokenizer, t, pair, max_tokens)
+                    out, s, stats = _speculative(model, drafter, tokenizer, t, max_tokens,
+                                                 {"prompt_cache": pair.fork()})
                     drafter.args.context_window = saved
                     v = spec[name]
                     v["tokens"] += len(out)

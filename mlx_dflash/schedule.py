@@ -31,7 +31,7 @@ from .accept import SamplingParams
 from .drafters.base import Drafter
 from .fingerprint import target_fingerprint
 from .paths import cache_root
-from .target import Target
+from .target import Target, each_part, head_dim
 from .tree import Calibration
 
 # Pass costs are measured at these context lengths: attention grows with the context, and a
@@ -67,11 +67,6 @@ class PassCosts:
         """Seconds of an n-token target pass at this context."""
         return along(context, self.contexts,
                      [float(np.interp(n, self.sizes, self.verify_s[c])) for c in self.contexts])
-
-    def growth(self, n: int, context: int) -> float:
-        """What an n-token pass at ``context`` costs beyond one at the shortest context: its
-        attention over the context, which a batch pays once per row."""
-        return self.verify(n, context) - self.verify(n, self.contexts[0])
 
 
 def along(context: int, contexts: Sequence[int], values: Sequence[float]) -> float:
@@ -151,10 +146,7 @@ def stretch(c: Any, context: int) -> None:
     def repeated(a: mx.array) -> mx.array:
         return mx.tile(a[..., :held, :], (1, 1, reps, 1))[..., :context, :]
 
-    if isinstance(c.keys, tuple):  # quantized: packed values, scales, biases
-        c.keys, c.values = tuple(map(repeated, c.keys)), tuple(map(repeated, c.values))
-    else:
-        c.keys, c.values = repeated(c.keys), repeated(c.values)
+    c.keys, c.values = each_part(repeated, c.keys), each_part(repeated, c.values)
     c.offset = context
 
 
@@ -337,12 +329,11 @@ def kv_bytes_per_position(target: Target) -> int:
     quantized caches, the packed values plus a float32 scale and bias per group)."""
     args = target.model.args
     heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
     per_value = 4.0
     if target.kv_quantization is not None:
         bits, group = target.kv_quantization
         per_value = bits / 8 + 2 * 4 / group
-    return int(per_value * 2 * target.num_layers * heads * head_dim)
+    return int(per_value * 2 * target.num_layers * heads * head_dim(args))
 
 
 class Scheduler:
@@ -503,7 +494,8 @@ class BatchCosts:
         pays on its own."""
         by_rows = [float(np.interp(width, self.sizes, self.ratio[r])) for r in self.rows]
         short = self.single.verify(width, self.single.contexts[0])
-        return short * self._scale(rows, by_rows) + rows * self.single.growth(width, context)
+        grown = self.single.verify(width, context) - short  # the row's attention over its context
+        return short * self._scale(rows, by_rows) + rows * grown
 
     def _scale(self, rows: int, by_rows: list[float]) -> float:
         """A ratio measured at ``self.rows``, at ``rows``: interpolated, and beyond what was

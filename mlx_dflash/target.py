@@ -282,6 +282,16 @@ def _parts(a: Any) -> tuple[mx.array, ...]:
     return a if isinstance(a, tuple) else (a,)
 
 
+def each_part(f: Callable[[mx.array], mx.array], a: Any) -> Any:
+    """``f`` on a cache's keys (or values): the array, or each of a quantized cache's three."""
+    return tuple(f(x) for x in a) if isinstance(a, tuple) else f(a)
+
+
+def head_dim(args: Any) -> int:
+    """The width of one attention head of a model with these args."""
+    return getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+
+
 def can_cut_back(layers: Sequence[Any]) -> bool:
     """Whether every layer cache can be cut back to any shorter prefix, exactly (plain KV, or a
     sliding window that has not wrapped yet; never a recurrent state)."""
@@ -292,11 +302,10 @@ def can_cut_back(layers: Sequence[Any]) -> bool:
 def filled_kv(c: KVCache | QuantizedKVCache) -> tuple[Any, Any]:
     """A full-attention cache's keys and values [1, heads, positions, head_dim], the filled
     part (a quantized cache's: each its packed values, scales and biases)."""
-    def filled(a: Any) -> Any:
-        return tuple(x[..., : c.offset, :] for x in _parts(a)) if isinstance(a, tuple) \
-            else a[..., : c.offset, :]
+    def filled(x: mx.array) -> mx.array:
+        return x[..., : c.offset, :]
 
-    return filled(c.keys), filled(c.values)
+    return each_part(filled, c.keys), each_part(filled, c.values)
 
 
 def window_kv(c: RotatingKVCache, n: int) -> tuple[mx.array, mx.array, int]:
@@ -862,11 +871,10 @@ def quantize_kv(model: Any, bits: int | None, group_size: int = 64) -> None:
     if bits not in KV_BITS:
         raise ValueError(f"KV cache bits must be one of {', '.join(map(str, KV_BITS))}, "
                          f"got {bits}")
-    args = model.args
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
-    if group_size not in (32, 64, 128) or head_dim % group_size:
+    width = head_dim(model.args)
+    if group_size not in (32, 64, 128) or width % group_size:
         raise ValueError(f"KV cache group size {group_size} does not divide the target's head "
-                         f"dimension {head_dim} (32, 64 or 128 that does)")
+                         f"dimension {width} (32, 64 or 128 that does)")
     key = id(model)
     _kv_quantized[key] = (weakref.ref(model, lambda _, key=key: _kv_quantized.pop(key, None)),
                           (bits, group_size))

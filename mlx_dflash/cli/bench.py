@@ -108,24 +108,19 @@ def bench(
                                     questions=questions, prompts=limit or 2,
                                     max_tokens=max_tokens, concurrency=concurrency,
                                     windows=draft_window, compare_prefill=prefill_compare)
-        results["settings"]["drafter"] = drafter or DEFAULT_DRAFTER
-        results["settings"]["model"] = model or "default (SmolLM2-135M-Instruct, float32)"
-        typer.echo(format_context_table(results))
-        if json_out:
-            json_out.parent.mkdir(parents=True, exist_ok=True)
-            json_out.write_text(json.dumps(results, indent=2) + "\n")
-            typer.echo(f"wrote {json_out}")
-        return
-    if concurrency:
+        table = format_context_table
+    elif concurrency:
         results = run_batch_bench(target, draft, tokenizer, sets, list(concurrency), max_tokens,
                                   block_size[0], stagger=stagger, trees=trees)
+        table = format_batch_table
     else:
         results = run_bench(target, draft, tokenizer, sets, list(block_size), max_tokens,
                             copy_drafts=copy, auto=auto, trees=trees)
+        table = format_table
     # Named as given (a shipped drafter by its name): no paths of this machine in the results.
     results["settings"]["drafter"] = drafter or DEFAULT_DRAFTER
     results["settings"]["model"] = model or "default (SmolLM2-135M-Instruct, float32)"
-    typer.echo(format_batch_table(results) if concurrency else format_table(results))
+    typer.echo(table(results))
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(results, indent=2) + "\n")
