@@ -383,8 +383,8 @@ class BatchEngine:
         for i, (r, (_, block, _)) in enumerate(zip(self.running, plans)):
             if i in trees:
                 survival.append(r.policy.tree_sizer.survival(np.array(scores[i])))
-            elif block and r.policy.scheduler is not None:
-                survival.append(r.policy.scheduler.lookup_survival()[: len(block)])
+            elif block and r.policy.looked is not None:
+                survival.append(r.policy.looked.survival[: len(block)])
             else:
                 survival.append(np.zeros(len(block)))
         counts = plan_nodes(survival, [bool(b) for _, b, _ in plans], self.cache.slots,
@@ -439,12 +439,13 @@ class BatchEngine:
             return plans
         for r in self.running:
             r.look_up = True
-        looked = [r.policy.lookup(r.room, r.context) for r in self.running]
+        looked = [r.policy.find(r.room, watch=True) for r in self.running]
         counts = plan_batch([r.policy.scheduler for r in self.running],
-                            [r.room for r in self.running], [len(b) for b, _ in looked],
+                            [r.room for r in self.running],
+                            [None if f is None else f.survival for f in looked],
                             self.cache.slots, self.costs)
-        return [(K, block[:K], source) if block and K else (K, [], DRAFTER if K else PLAIN)
-                for K, (block, source) in zip(counts, looked)]
+        return [(K, f.tokens[:K], f.source) if f is not None and K
+                else (K, [], DRAFTER if K else PLAIN) for K, f in zip(counts, looked)]
 
     def _commit(self, r: _Request, tokens: list[int], accepted: int, responses: list) -> None:
         r.spec.hold(tokens)  # before the cut: the caches hold them all the same

@@ -1,28 +1,76 @@
 """What the next cycle verifies after the anchor.
 
 In order: a block copied from the context (the last few tokens occurred before: verify what
-followed them), else a continuation from the drafter's n-gram table when the scheduler expects
-it to beat the drafter, else as many drafts as the scheduler chooses (all the width allows
-without one; 0 is a plain decoding step).
+followed them), else a continuation from the drafter's n-gram table, as much of either as the
+scheduler expects to beat the drafter; else as many drafts as the scheduler chooses (all the
+width allows without one; 0 is a plain decoding step).
+
+A looked-up block's chance to survive is learned per request: every block found, verified or
+not, is checked against the tokens committed after it (a block skipped as too unlikely is
+judged all the same, so a text that starts to repeat itself is noticed).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
-from .cycle import COPY, DRAFTER, NGRAM, PLAIN, TREE, Cycle, TreeCycle
+import numpy as np
+
+from .cycle import COPY, DRAFTER, NGRAM, PLAIN, TREE, Cycle
 from .drafters.base import Drafter
 from .lookup import CopyIndex
 from .ngram import NgramTable
 from .schedule import Scheduler, bytes_per_verified_token, cached_costs
 from .target import Target
-from .tree import TREE_MAX, TreeSizer
+from .tree import TREE_MAX, Calibration, TreeSizer
 
 # Copy drafts by default, looking up the last 4, 3, then 2 tokens: the rule measured best on
 # the eval files (docs/training.md).
 COPY_DRAFTS = True
 COPY_NGRAM = 2
 COPY_LONGEST = 4
+# A copied token's chance to survive until this request's copies bear it out (Calibration):
+# copies from code and math prompts mostly survive.
+COPY_SCORE = 0.9
+LOOKUP_DECAY = 0.1  # a lookup's survival follows the last ~10 blocks judged (the text changes)
+
+
+@dataclass
+class Lookup:
+    """A block looked up after the anchor: copied from the context or from the n-gram table."""
+
+    tokens: list[int]
+    scores: list[float]  # each step's prior chance to survive (the table's; COPY_SCORE)
+    source: str  # COPY or NGRAM
+    steps: np.ndarray  # P(step survives | the steps before did), as this request bears out
+
+    @property
+    def survival(self) -> np.ndarray:
+        """a_j: the chance that the first j tokens all survive."""
+        return np.cumprod(self.steps)
+
+
+class Watch:
+    """A looked-up block checked against the tokens committed after it, then scored."""
+
+    def __init__(self, lookup: Lookup, calibration: Calibration):
+        self.lookup, self.calibration, self.matched = lookup, calibration, 0
+
+    def extend(self, tokens: Sequence[int]) -> bool:
+        """Compare the next committed tokens; True once the block is judged (and scored)."""
+        block = self.lookup.tokens
+        for t in tokens:
+            if self.matched == len(block) or t != block[self.matched]:
+                break
+            self.matched += 1
+        else:
+            if self.matched < len(block):
+                return False
+        reached = min(len(block), self.matched + 1)
+        self.calibration.observe(np.asarray(self.lookup.scores[:reached]),
+                                 np.arange(reached) < self.matched)
+        return True
 
 
 class BlockPolicy:
@@ -32,6 +80,9 @@ class BlockPolicy:
         self.width, self.copy_index = width, copy_index
         self.ngram_table, self.scheduler = ngram_table, scheduler
         self.tree_sizer = tree_sizer  # trees sized per cycle (tree="auto")
+        self.calibration = {COPY: Calibration(LOOKUP_DECAY), NGRAM: Calibration(LOOKUP_DECAY)}
+        self.watch: Watch | None = None  # the block being checked against committed tokens
+        self.looked: Lookup | None = None  # the last block looked up
 
     @classmethod
     def for_request(cls, target: Target, drafter: Drafter | None, width: int,
@@ -66,19 +117,35 @@ class BlockPolicy:
             K = self.scheduler.choose(K, context)
         return K, [], DRAFTER if K else PLAIN
 
-    def lookup(self, room: int, context: int) -> tuple[list[int], str]:
-        """A block copied from the context, else one from the n-gram table when the scheduler
-        expects it to beat the drafter (without a scheduler: whenever there is one); none
-        without copy drafts."""
-        if self.copy_index is None:
-            return [], COPY
+    def find(self, room: int, watch: bool = False) -> Lookup | None:
+        """Up to ``room`` tokens copied from the context, else from the n-gram table (None:
+        neither has a continuation, or no copy drafts). ``watch``: the block is also checked
+        against what is committed next (its source's survival learns from it)."""
+        if self.copy_index is None or room <= 0:
+            return None
         room = min(self.width - 1, room)
-        copied = self.copy_index.lookup(room)
-        if copied or self.ngram_table is None:
-            return copied, COPY
-        found, probs = self.ngram_table.draft(self.copy_index.tokens, room)
-        n = self.scheduler.lookup_length(probs, room, context) if self.scheduler else len(found)
-        return found[:n], NGRAM
+        found, source = self.copy_index.lookup(room), COPY
+        scores = [COPY_SCORE] * len(found)
+        if not found and self.ngram_table is not None:
+            (found, scores), source = self.ngram_table.draft(self.copy_index.tokens, room), NGRAM
+        lookup = (Lookup(found, scores, source, self.calibration[source](np.asarray(scores)))
+                  if found else None)
+        if watch:
+            self.looked = lookup
+            if lookup is not None and self.watch is None:
+                self.watch = Watch(lookup, self.calibration[source])
+        return lookup
+
+    def lookup(self, room: int, context: int, watch: bool = True
+               ) -> tuple[list[int], str]:
+        """The looked-up block to verify alone, as long as the scheduler expects to pay (without
+        a scheduler: whole), or []."""
+        found = self.find(room, watch)
+        if found is None:
+            return [], COPY
+        n = (self.scheduler.lookup_length(found.steps, room, context) if self.scheduler
+             else len(found.tokens))
+        return found.tokens[:n], found.source
 
     def copy_branches(self, block: list[int]) -> list[list[int]]:
         """Continuations of the context besides a copied ``block`` (the latest occurrence's),
@@ -88,12 +155,14 @@ class BlockPolicy:
 
     def finds_lookup(self, context: int) -> bool:
         """Whether a lookup would find a block now."""
-        return self.copy_index is not None and bool(self.lookup(1, context)[0])
+        return bool(self.lookup(1, context, watch=False)[0])
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Committed tokens (the copy index learns them)."""
         if self.copy_index is not None:
             self.copy_index.extend(list(tokens))
+        if self.watch is not None and self.watch.extend(tokens):
+            self.watch = None
 
     def observe(self, cycle: Cycle, accepted: int) -> None:
         """What a cycle accepted (the scheduler's survival estimates for drafts, or for
@@ -106,10 +175,7 @@ class BlockPolicy:
             return
         if self.scheduler is None:
             return
-        if cycle.looked_up:  # branches: as a chain as long as the longest
-            n = max(cycle.tree.depths()) if isinstance(cycle, TreeCycle) else cycle.num_drafts
-            self.scheduler.observe_lookup(n, accepted)
-        else:
+        if not cycle.looked_up:  # lookups learn from the committed tokens (Watch)
             confidence = cycle.confidence
             self.scheduler.observe(cycle.num_drafts, accepted,
                                    None if confidence is None else confidence.tolist())

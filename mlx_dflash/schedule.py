@@ -354,9 +354,6 @@ class Scheduler:
         self.probe_every, self.probe_gap = probe_every, probe_every
         self.accept_rate = np.full(max_drafts, 0.5)  # P(draft j survives | drafts < j did)
         self.seen = np.zeros(max_drafts)  # cycles that reached position j
-        # The same for looked-up blocks (copies, n-gram continuations): a batch's budget
-        # weighs them against drafts; a request alone verifies them whole.
-        self.lookup_rate, self.lookup_seen = np.full(max_drafts, 0.5), np.zeros(max_drafts)
         self.confidence: np.ndarray | None = None  # the drafter's last survival scores
         self.calibration = Calibration()  # ... and how far this request bears them out
         self.plain_cycles = 0
@@ -431,7 +428,10 @@ class Scheduler:
 
         A running mean at first (one failure already counts), a moving average after that; a
         failed probe doubles the wait for the next one (up to 8x), a paying one resets it."""
-        _learn(self.accept_rate, self.seen, drafted, accepted, decay)
+        for j in range(min(drafted, accepted + 1, self.max_drafts)):
+            step = max(decay, 1.0 / (self.seen[j] + 2))
+            self.accept_rate[j] += step * (float(j < accepted) - self.accept_rate[j])
+            self.seen[j] += 1
         if self.probing and drafted > 0:  # the probe's own cycle (a plain one may come first)
             self.probing, paid = False, accepted > 0
             self.probe_gap = self.probe_every if paid else min(2 * self.probe_gap,
@@ -440,23 +440,6 @@ class Scheduler:
             self.confidence = np.asarray(confidence, dtype=np.float64)
             reached = min(drafted, accepted + 1, len(self.confidence))  # drafts judged
             self.calibration.observe(self.confidence[:reached], np.arange(reached) < accepted)
-
-    def observe_lookup(self, looked_up: int, accepted: int, decay: float = 0.15) -> None:
-        """What a looked-up block of ``looked_up`` tokens accepted."""
-        _learn(self.lookup_rate, self.lookup_seen, looked_up, accepted, decay)
-
-    def lookup_survival(self) -> np.ndarray:
-        return np.cumprod(self.lookup_rate)
-
-
-def _learn(rates: np.ndarray, seen: np.ndarray, drafted: int, accepted: int,
-           decay: float) -> None:
-    """Per-position survival rates from one cycle (positions reached only): a running mean at
-    first (one failure already counts), a moving average after that."""
-    for j in range(min(drafted, accepted + 1, len(rates))):
-        step = max(decay, 1.0 / (seen[j] + 2))
-        rates[j] += step * (float(j < accepted) - rates[j])
-        seen[j] += 1
 
 
 # -- one verify budget across a batch ------------------------------------------------------------
@@ -591,19 +574,20 @@ def cached_batch_costs(target: Target, drafter: Drafter, max_tokens: int, reach:
 
 
 def plan_batch(schedulers: Sequence[Scheduler], rooms: Sequence[int],
-               looked_up: Sequence[int], context: int, costs: BatchCosts) -> list[int]:
+               looked_up: Sequence[np.ndarray | None], context: int, costs: BatchCosts
+               ) -> list[int]:
     """Tokens to verify after each request's anchor in one batched pass, from one budget
     (:func:`plan_nodes`). A request's candidates are its drafter's next drafts, by its
-    calibrated confidence or acceptance rates, or a looked-up block of ``looked_up[i]``
-    tokens by the lookups' own rates (no drafter pass to pay). With one request and no lookup
-    this is what :meth:`Scheduler.choose` chooses."""
-    limits = [min(n, s.max_drafts, room) if n else s.limit(room)
-              for s, room, n in zip(schedulers, rooms, looked_up)]
-    survival = [(s.lookup_survival() if n else s.survival())[:lim]
-                for s, lim, n in zip(schedulers, limits, looked_up)]
-    counts = plan_nodes(survival, [n > 0 for n in looked_up], context, costs)
-    return [s.probe(k, lim) if not n and lim > 0 else k
-            for s, k, lim, n in zip(schedulers, counts, limits, looked_up)]
+    calibrated confidence or acceptance rates, or a looked-up block: ``looked_up[i]``, the
+    chance that each of its first j tokens all survive (None: none looked up; no drafter pass
+    to pay). With one request and no lookup this is what :meth:`Scheduler.choose` chooses."""
+    limits = [min(len(a), s.max_drafts, room) if a is not None else s.limit(room)
+              for s, room, a in zip(schedulers, rooms, looked_up)]
+    survival = [(s.survival() if a is None else a)[:lim]
+                for s, lim, a in zip(schedulers, limits, looked_up)]
+    counts = plan_nodes(survival, [a is not None for a in looked_up], context, costs)
+    return [s.probe(k, lim) if a is None and lim > 0 else k
+            for s, k, lim, a in zip(schedulers, counts, limits, looked_up)]
 
 
 def plan_nodes(survival: Sequence[np.ndarray], looked_up: Sequence[bool], context: int,

@@ -241,7 +241,7 @@ def test_one_budget_with_one_request_chooses_what_the_scheduler_chooses():
         for s in (one, alone):
             s.observe(0, 0, confidence.tolist())
         room, context = int(rng.integers(0, 9)), int(rng.integers(10, 2000))
-        assert plan_batch([one], [room], [0], context, batch_costs(1.0)) == [
+        assert plan_batch([one], [room], [None], context, batch_costs(1.0)) == [
             alone.choose(room, context)]
 
 
@@ -267,10 +267,10 @@ def test_a_busy_batch_cuts_the_unlikely_tails():
     busy_costs = BatchCosts(cheap_drafter, {r: [tokens_cost(r, w) / tokens_cost(1, w)
                                                 for w in COSTS.sizes] for r in BATCH_ROWS},
                             COSTS.sizes)
-    alone = plan_batch(schedulers(1), [7], [0], 300, busy_costs)[0]
-    free = plan_batch(schedulers(8), [7] * 8, [0] * 8, 300,
+    alone = plan_batch(schedulers(1), [7], [None], 300, busy_costs)[0]
+    free = plan_batch(schedulers(8), [7] * 8, [None] * 8, 300,
                       BatchCosts(cheap_drafter, batch_costs(0.0).ratio, COSTS.sizes))
-    busy = plan_batch(schedulers(8), [7] * 8, [0] * 8, 300, busy_costs)
+    busy = plan_batch(schedulers(8), [7] * 8, [None] * 8, 300, busy_costs)
     assert 0 < alone <= min(free)
     assert 0 < max(busy) < min(free)
 
@@ -303,14 +303,16 @@ def test_the_budget_weighs_looked_up_blocks_by_how_often_they_survive():
     costs = BatchCosts(COSTS, {r: [tokens_cost(r, w) / tokens_cost(1, w) for w in COSTS.sizes]
                                for r in BATCH_ROWS}, COSTS.sizes)
 
-    def scheduler(lookup_rate):
+    def scheduler():
         s = Scheduler(COSTS, 7, 1 << 20, headroom=lambda: 1 << 40)
         s.observe(0, 0, [0.3] * 7)  # the drafter: rarely right
-        s.lookup_rate[:] = lookup_rate
         return s
 
-    sure = plan_batch([scheduler(0.95) for _ in range(8)], [7] * 8, [6] * 8, 300, costs)
-    unsure = plan_batch([scheduler(0.2) for _ in range(8)], [7] * 8, [6] * 8, 300, costs)
+    def blocks(step):  # 8 looked-up blocks of 6 tokens, each step surviving with ``step``
+        return [np.cumprod([step] * 6)] * 8
+
+    sure = plan_batch([scheduler() for _ in range(8)], [7] * 8, blocks(0.95), 300, costs)
+    unsure = plan_batch([scheduler() for _ in range(8)], [7] * 8, blocks(0.2), 300, costs)
     assert sure == [6] * 8 and max(unsure) < 6
 
 

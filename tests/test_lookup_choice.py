@@ -84,7 +84,38 @@ def test_the_batch_budget_weighs_drafting_requests_at_their_own_length_beside_lo
     drafting = scheduler(confidence=[0.9] * 7)
     alone = scheduler(confidence=[0.9] * 7).choose(7, 100)
     looking = [scheduler(confidence=[0.9] * 7) for _ in range(3)]
-    for s in looking:
-        s.lookup_rate[:] = 0.99
-    plan = plan_batch(looking + [drafting], [7] * 4, [1, 1, 2, 0], 100, free)
+    blocks = [np.cumprod([0.99] * n) for n in (1, 1, 2)]
+    plan = plan_batch(looking + [drafting], [7] * 4, blocks + [None], 100, free)
     assert alone == 7 and plan == [1, 1, 2, 7]
+
+
+def test_copies_that_fail_are_cut_back_and_come_back_when_the_text_repeats():
+    """A request alone: copied blocks are trusted at first; when the text stops following them they
+    are cut to nothing (a wide verify costs 1.5x a decode per token here, as at long contexts
+    on a CPU); a block skipped is still judged against the tokens committed after it, so
+    copies come back when the text repeats again."""
+    from mlx_dflash.cycle import COPY
+    from mlx_dflash.lookup import CopyIndex
+    from mlx_dflash.policy import BlockPolicy
+    from mlx_dflash.schedule import PassCosts
+
+    costs = PassCosts({c: [0.010 * (1 + 0.5 * (n - 1)) for n in range(1, 9)]
+                       for c in (128, 1024)}, draft_s=0.002, sizes=tuple(range(1, 9)))
+    s = Scheduler(costs, 7, token_bytes=1 << 20, headroom=lambda: 1 << 40)
+    s.accept_rate[:] = 0.0  # a drafter that never helps: plain decoding is its best cycle
+    A, B = 5, 6
+    p = BlockPolicy(8, CopyIndex([A, B, 100, 7, 8, 9, 10, 11, 12], 2, 4), None, s)
+    p.extend([A, B])
+    block, source = p.lookup(7, 100)
+    assert source == COPY and block == [100, 7, 8]  # as long as pays at 0.9 a step
+    lengths = []
+    for new in range(200, 208):  # the text goes elsewhere: each copy fails at once
+        p.extend([new, A, B])
+        lengths.append(len(p.lookup(7, 100)[0]))
+    assert lengths[-1] == 0 and lengths == sorted(lengths, reverse=True), lengths
+    low = p.calibration[COPY]([0.9])[0]
+    for _ in range(3):  # the text repeats what followed A B last time: skipped, still judged
+        p.extend(p.looked.tokens + [A, B])
+        p.lookup(7, 100)
+    assert p.calibration[COPY]([0.9])[0] > low + 0.2
+    assert p.lookup(7, 100)[0]
