@@ -16,6 +16,7 @@ from .decode import (  # noqa: E402
 from .default_pair import load_default  # noqa: E402
 from .drafters import DrafterMismatchError, load_drafter  # noqa: E402
 from .drafters.mtp import load_mtp_drafter  # noqa: E402
+from .grammar import Grammar, GrammarError  # noqa: E402
 from .pair_cache import PairCache  # noqa: E402
 from .prefix_cache import PrefixCache  # noqa: E402
 from .target import Target, quantize_kv  # noqa: E402
@@ -28,6 +29,8 @@ __all__ = [
     "DrafterMismatchError",
     "GenerationResponse",
     "GenerationStats",
+    "Grammar",
+    "GrammarError",
     "PairCache",
     "PrefixCache",
     "Target",

@@ -19,6 +19,7 @@ import numpy as np
 
 from .accept import SamplingParams, accept_block, point_mass
 from .drafters.base import Drafter, Proposal
+from .grammar import Matcher, apply_masks, constrain_proposal
 from .pair_cache import PairCache
 from .target import Target
 from .tree import DraftTree, LazyTree, select_tree, target_choices, tree_beam
@@ -39,6 +40,7 @@ class Cycle:
     next_tokens: mx.array  # [K+1] the token committed after each accepted prefix
     features: mx.array | None  # [1, K+1, taps*D] the target's tap features of the pass
     confidence: mx.array | None = None  # [K] calibrated survival of each draft (DSpark)
+    forced: tuple[bool, ...] = ()  # with a grammar: which drafts it admitted alone
 
     @property
     def looked_up(self) -> bool:
@@ -119,7 +121,7 @@ def accepted_cycle(anchor: mx.array, proposal: Proposal, logits: mx.array,
                                              position)
     packed = mx.concatenate([accepted_len.astype(mx.uint32)[None], proposal.drafts, next_tokens])
     return Cycle(anchor, proposal.drafts.shape[0], source, packed, next_tokens, features,
-                 proposal.confidence)
+                 proposal.confidence, proposal.forced)
 
 
 class Speculator:
@@ -131,8 +133,10 @@ class Speculator:
     """
 
     def __init__(self, target: Target, drafter: Drafter | None, params: SamplingParams,
-                 width: int, tokens: Sequence[int], pair: PairCache | None = None):
+                 width: int, tokens: Sequence[int], pair: PairCache | None = None,
+                 matcher: Matcher | None = None):
         self.target, self.drafter, self.params, self.width = target, drafter, params, width
+        self.matcher = matcher  # the reply's grammar (grammar.py), if it has one
         self.layer_ids = drafter.target_layer_ids if drafter is not None else ()
         # committed positions the drafter has not read: (their tap features, their tokens)
         self.backlog: list[tuple[mx.array, mx.array]] = []
@@ -146,17 +150,27 @@ class Speculator:
             self.held = list(tokens)  # + every committed token (the anchor included)
 
     def prefill(self, tokens: Sequence[int], step: int, progress: Any = None) -> mx.array:
-        """Prefill the prompt tokens the caches do not hold; the last position's logits."""
-        return prefill(self.target, tokens[self.cached :], self.cache, self.drafter,
-                       self.draft_cache, step, progress)
+        """Prefill the prompt tokens the caches do not hold; the last position's logits (kept
+        to the grammar, if there is one)."""
+        logits = prefill(self.target, tokens[self.cached :], self.cache, self.drafter,
+                         self.draft_cache, step, progress)
+        if self.matcher is None:
+            return logits
+        return apply_masks(logits[None], mx.array(self.matcher.allowed())[None])[0]
 
     def cycle(self, anchor: mx.array, num_drafts: int, looked_up: Sequence[int] = (),
-              source: str = DRAFTER, position: int = 0) -> Cycle:
+              source: str = DRAFTER, position: int = 0, room: int = 0) -> Cycle:
         """Build (lazily) one cycle: ``num_drafts`` drafts after ``anchor`` (the looked-up
         block when one is given), one target pass over them, the acceptance rule.
         ``position``: the index in the sequence of the token after the anchor (what a seeded
-        request's choices are keyed by)."""
-        return self.verify(anchor, self.draft(anchor, num_drafts, looked_up), source, position)
+        request's choices are keyed by). With a grammar the block is read and kept to it on
+        the host first (forced tokens lead, up to ``room`` tokens in all; one more sync)."""
+        proposal = self.draft(anchor, num_drafts, looked_up)
+        if self.matcher is None:
+            return self.verify(anchor, proposal, source, position)
+        sampled = not looked_up and not self.params.greedy and self.params.noise is None
+        proposal, masks = constrain_proposal(self.matcher, proposal, room, self.params, sampled)
+        return self.verify(anchor, proposal, source, position, masks)
 
     def draft(self, anchor: mx.array, num_drafts: int, looked_up: Sequence[int] = ()
               ) -> Proposal:
@@ -172,12 +186,13 @@ class Speculator:
                                     num_drafts, self.params)
 
     def verify(self, anchor: mx.array, proposal: Proposal, source: str = DRAFTER,
-               position: int = 0) -> Cycle:
-        """One target pass over ``[anchor] + drafts`` on this request's cache, accepted."""
+               position: int = 0, masks: mx.array | None = None) -> Cycle:
+        """One target pass over ``[anchor] + drafts`` on this request's cache, accepted
+        (``masks``: what a grammar allows at each row)."""
         logits, features = self.target.forward(
             mx.concatenate([anchor, proposal.drafts])[None], self.cache, self.layer_ids)
-        return accepted_cycle(anchor, proposal, logits[0], features, self.params, source,
-                              position)
+        return accepted_cycle(anchor, proposal, apply_masks(logits[0], masks), features,
+                              self.params, source, position)
 
     def tree_cycle(self, anchor: mx.array, size: int,
                    sizer: Callable[[np.ndarray], int] | None = None,
@@ -256,6 +271,8 @@ class Speculator:
         """Committed tokens the caches now hold (or will, as the next anchor)."""
         if self.held is not None:
             self.held += tokens
+        if self.matcher is not None:
+            self.matcher.commit(tokens)
 
     def close(self, pending: Cycle | None) -> None:
         """At the end of generation, leave the pair's caches holding exactly ``held``: run the

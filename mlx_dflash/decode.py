@@ -18,6 +18,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .accept import SamplingParams, sample_first, seeded
+from .grammar import Grammar, GrammarError, Matcher
 from .cycle import (
     COPY,
     DEFAULT_PREFILL_STEP,
@@ -54,6 +55,7 @@ class GenerationStats:
     tree_cycles: int = 0  # cycles that verified a tree of drafts (tree.py)
     branched_cycles: int = 0  # lookup cycles that verified several continuations as a tree
     cached_tokens: int = 0  # prompt tokens a prompt_cache already held (not prefilled)
+    forced_tokens: int = 0  # committed tokens a grammar admitted alone (grammar.py)
 
     def record(self, cycle: Cycle, accepted: int) -> None:
         self.acceptance_lengths.append(accepted + 1)
@@ -62,6 +64,7 @@ class GenerationStats:
         self.ngram_cycles += cycle.source == NGRAM
         self.tree_cycles += cycle.source == TREE
         self.branched_cycles += cycle.looked_up and isinstance(cycle, TreeCycle)
+        self.forced_tokens += sum(cycle.forced[:accepted])
 
     @property
     def prefilled_tokens(self) -> int:
@@ -216,6 +219,7 @@ def stream_generate(
     schedule: bool = True,
     prompt_cache: PairCache | None = None,
     tree: int | str | None = None,
+    grammar: Grammar | None = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate from ``prompt`` with speculative decoding; yields one response per cycle.
 
@@ -229,12 +233,16 @@ def stream_generate(
     targets whose layers are all full attention).
     ``prompt_cache`` (a :class:`PairCache` holding a proper prefix of the prompt) is continued
     from and holds the whole sequence at the end (``tokens`` None if closed early where the
-    caches could not be cut back)."""
+    caches could not be cut back). ``grammar`` (grammar.Grammar): the reply keeps to it, as
+    plain decoding under the grammar's mask would write it (greedy: token for token)."""
     params = SamplingParams(temperature, top_p, top_k, **seeded(seed))
     target, drafter, tokenizer, width = _check_request(model, drafter, tokenizer, max_tokens,
                                                        block_size, schedule)
     if tree is not None:
         check_tree(target, drafter, tree)
+        if grammar is not None:
+            raise GrammarError("tree drafts are not kept to a grammar yet: leave out tree")
+    matcher = Matcher(grammar, tokenizer, target.vocab_size) if grammar is not None else None
     tokens = encode_prompt(tokenizer, prompt)
     stats = GenerationStats(prompt_tokens=len(tokens), block_size=width)
     out = TextStream(tokenizer, stats, max_tokens)
@@ -247,7 +255,7 @@ def stream_generate(
                                          block_size is None and schedule and tree in (None, AUTO),
                                          copy_drafts, copy_ngram, size_trees=tree == AUTO,
                                          reach=len(tokens) + max_tokens)
-        spec = Speculator(target, drafter, params, width, tokens, prompt_cache)
+        spec = Speculator(target, drafter, params, width, tokens, prompt_cache, matcher)
 
         def plan(anchor: mx.array, room: int, context: int, may_look_up: bool = True) -> Cycle:
             K, block, source = policy.choose(room, context, may_look_up)
@@ -263,7 +271,8 @@ def stream_generate(
                                            lambda scores: policy.tree_sizer.choose(scores, context),
                                            position=context)
                 return spec.tree_cycle(anchor, tree, position=context)
-            return spec.cycle(anchor, K, block, source, position=context)
+            return spec.cycle(anchor, K, block, source, position=context,
+                              room=min(width - 1, room))
 
         stats.cached_tokens = spec.cached
         tic = time.perf_counter()
@@ -287,7 +296,7 @@ def stream_generate(
             cycle = pending or plan(anchor, max_tokens - done - 1, context)
             cycle.start()
             pending = None
-            if (cycle.num_drafts == 0 and done + 1 < max_tokens
+            if (cycle.num_drafts == 0 and done + 1 < max_tokens and matcher is None
                     and not policy.finds_lookup(context)):
                 # A plain cycle commits exactly one token, known lazily: build the next cycle
                 # from it now, as mlx-lm does (lookups wait for a synced cycle).

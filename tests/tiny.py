@@ -224,3 +224,33 @@ def make_family_target(
         model, _ = quantize_model(model, {}, group_size=32, bits=bits)
         mx.eval(model.parameters())
     return model
+
+
+def make_text_tokenizer(words=(), chars=None) -> TokenizerWrapper:
+    """A byte-level BPE tokenizer (as most chat models have): id 0 is ``<eos>``, then one
+    token per character of ``chars`` (default: all 256 bytes), then each of ``words`` built
+    by merges. Its vocabulary size is ``len(tokenizer.vocab)``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+
+    def byte_level(text):
+        return "".join(piece for piece, _ in level.pre_tokenize_str(text))
+
+    alphabet = (sorted(pre_tokenizers.ByteLevel.alphabet()) if chars is None
+                else [byte_level(c) for c in chars])
+    vocab = {"<eos>": 0}
+    for ch in alphabet:
+        vocab.setdefault(ch, len(vocab))
+    merges = []
+    for word in map(byte_level, words):
+        for end in range(2, len(word) + 1):
+            if word[:end] not in vocab:
+                merges.append((word[: end - 1], word[end - 1]))
+                vocab[word[:end]] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.pre_tokenizer = level
+    tok.decoder = decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    return TokenizerWrapper(hf, eos_token_ids=[0])

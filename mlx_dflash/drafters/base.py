@@ -29,6 +29,7 @@ class Proposal:
     drafts: mx.array
     probs: mx.array | CandidateProposal | None = None
     confidence: mx.array | None = None
+    forced: tuple[bool, ...] = ()  # with a grammar: which drafts it admitted alone
 
 
 @runtime_checkable
