@@ -45,6 +45,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import distributed
 from .accept import SamplingParams, sample_first, seeded
+from .grammar import Grammar, GrammarError, Matcher, apply_masks, constrain_proposal
 from .batch_cache import BatchNotSupported, make_batch_cache  # noqa: F401 (re-exported)
 from .cycle import (
     DEFAULT_PREFILL_STEP, DRAFTER, PLAIN, TREE, Cycle, Speculator, TreeCycle, accepted_cycle,
@@ -80,6 +81,7 @@ class _Request:
     prefilled: int = 0  # prompt tokens in its caches so far (a joining request's prefill)
     prefill_s: float = 0.0
     cancelled: bool = False
+    matcher: Matcher | None = None  # its grammar's state, if it has one
     # Alone, the cycle after a plain one plans without lookups, as a single generation's
     # pipelined plain cycles do: so that a seeded request draws what ``generate`` draws.
     look_up: bool = True
@@ -154,17 +156,23 @@ class BatchEngine:
 
     def submit(self, prompt: str | Sequence[int] | mx.array, *, max_tokens: int = 256,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               seed: int | None = None, checkpoints: Sequence[int] = ()) -> int:
+               seed: int | None = None, checkpoints: Sequence[int] = (),
+               grammar: Grammar | None = None) -> int:
         """Queue a request; returns its id (its responses carry it). ``seed``: the request
-        samples from its own random stream; ``checkpoints``: see ``decode.continue_from``."""
+        samples from its own random stream; ``checkpoints``: see ``decode.continue_from``;
+        ``grammar``: its reply keeps to it (as ``stream_generate``'s)."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if grammar is not None and self.tree is not None:
+            raise GrammarError("tree drafts are not kept to a grammar yet: serve without tree")
         params = SamplingParams(temperature, top_p, top_k, **seeded(seed))
         tokens = encode_prompt(self.tokenizer, prompt)
         stats = GenerationStats(prompt_tokens=len(tokens), block_size=self.width)
+        matcher = (Matcher(grammar, self.tokenizer, self.target.vocab_size)
+                   if grammar is not None else None)
         request = _Request(next(self._ids), tokens, params, max_tokens, stats,
                            TextStream(self.tokenizer, stats, max_tokens, own_detokenizer=True),
-                           checkpoints=checkpoints)
+                           checkpoints=checkpoints, matcher=matcher)
         self.waiting.append(request)
         return request.id
 
@@ -247,7 +255,8 @@ class BatchEngine:
         if self.store is not None:
             pair, _ = continue_from(self.store, r.tokens, self.target, self.drafter,
                                     checkpoints=r.checkpoints, step=self.prefill_step)
-        r.spec = Speculator(self.target, self.drafter, r.params, self.width, r.tokens, pair)
+        r.spec = Speculator(self.target, self.drafter, r.params, self.width, r.tokens, pair,
+                            r.matcher)
         r.stats.cached_tokens = r.prefilled = r.spec.cached
         r.prefill_s = time.perf_counter() - tic
 
@@ -262,6 +271,8 @@ class BatchEngine:
 
     def _join(self, r: _Request, logits: mx.array, responses: list) -> None:
         """The prompt is in: commit the first token and add the request as a batch row."""
+        if r.matcher is not None:
+            logits = apply_masks(logits[None], mx.array(r.matcher.allowed())[None])[0]
         r.anchor = sample_first(logits, r.params, len(r.tokens))
         r.text.tic = time.perf_counter()
         r.stats.prompt_tps = r.stats.prefilled_tokens / max(r.prefill_s, 1e-9)
@@ -279,9 +290,9 @@ class BatchEngine:
         scores: dict[int, list[float]] = {}
         if trees and self.tree == AUTO:
             plans, scores = self._size_trees(plans, trees)
-        proposals = self._draft(plans, skip=trees)
+        proposals, masks = self._constrain(self._draft(plans, skip=trees), plans)
         cycles = (self._tree_pass(proposals, trees, scores, plans) if trees
-                  else self._chain_pass(proposals, plans))
+                  else self._chain_pass(proposals, plans, masks))
         # The one host sync of the batch's cycle (confidences too: the schedulers read them).
         mx.eval([c.packed for c in cycles] + [c.confidence for c in cycles
                                               if c.confidence is not None])
@@ -300,22 +311,37 @@ class BatchEngine:
             self.cache.commit([len(k) for k in kept])  # recurrent rows: restored from the record
         self.cache.compact()  # when the rejected tails' holes take up a quarter of the slots
 
-    def _chain_pass(self, proposals: list[Proposal], plans: list) -> list[Cycle]:
-        """One target pass over every row's ``[anchor] + drafts``, right-padded."""
+    def _constrain(self, proposals: list[Proposal | None], plans: list
+                   ) -> tuple[list[Proposal | None], list[mx.array | None]]:
+        """Rows with a grammar: their blocks kept to it and their rows' masks (grammar.py;
+        one host read of their blocks)."""
+        masks: list[mx.array | None] = [None] * len(proposals)
+        for i, (r, p, (_, block, _)) in enumerate(zip(self.running, proposals, plans)):
+            if r.matcher is not None and p is not None:
+                sampled = not block and not r.params.greedy and r.params.noise is None
+                proposals[i], masks[i] = constrain_proposal(
+                    r.matcher, p, min(self.width - 1, r.room), r.params, sampled)
+        return proposals, masks
+
+    def _chain_pass(self, proposals: list[Proposal], plans: list,
+                    masks: Sequence[mx.array | None] = ()) -> list[Cycle]:
+        """One target pass over every row's ``[anchor] + drafts``, right-padded (``masks``:
+        a grammar's, per row)."""
         width = 1 + max(p.drafts.shape[0] for p in proposals)
         rows = [mx.concatenate([r.anchor, p.drafts, mx.zeros((width - 1 - p.drafts.shape[0],),
                                                              dtype=mx.uint32)])
                 for r, p in zip(self.running, proposals)]
         logits, features = self.target.forward(mx.stack(rows), self.cache, self.layer_ids)
-        return [self._chain_cycle(i, r, p, source, logits, features)
+        return [self._chain_cycle(i, r, p, source, logits, features,
+                                  masks[i] if masks else None)
                 for i, (r, p, (_, _, source)) in enumerate(zip(self.running, proposals, plans))]
 
     def _chain_cycle(self, i: int, r: _Request, p: Proposal, source: str, logits: mx.array,
-                     features: mx.array | None) -> Cycle:
+                     features: mx.array | None, masks: mx.array | None = None) -> Cycle:
         n = p.drafts.shape[0] + 1
         row_features = features[i : i + 1, :n] if features is not None else None
-        return accepted_cycle(r.anchor, p, logits[i, :n], row_features, r.params, source,
-                              r.context)
+        return accepted_cycle(r.anchor, p, apply_masks(logits[i, :n], masks), row_features,
+                              r.params, source, r.context)
 
     def _tree_pass(self, proposals: list[Proposal | None], trees: dict[int, LazyTree],
                    scores: dict[int, list[float]], plans: list) -> list[Cycle]:

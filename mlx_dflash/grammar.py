@@ -117,6 +117,9 @@ class Matcher:
         self.stop_ids = set(llt.eos_tokens)
         self.matcher = llguidance.LLMatcher(llt, grammar.text, log_level=0)
         self._raise_if_error()
+        if not self.allowed().any():
+            raise GrammarError("no token of this model's vocabulary can begin a reply the "
+                               "grammar allows")
 
     def _raise_if_error(self) -> None:
         if self.matcher.is_error():

@@ -79,3 +79,35 @@ def test_long_context_options(tiny_pair):
     no_window = cli("generate", "w5 w6 w7", "--model", str(target_dir), "--drafter", "none",
                     "--draft-window", "8")
     assert no_window.returncode == 2 and "--draft-window applies to DFlash" in no_window.stderr
+
+
+def test_json_schema_option(tmp_path):
+    """--json-schema FILE: the reply is what generate(..., grammar=...) writes, and valid JSON
+    for the schema; a missing file, bad JSON and a schema it cannot enforce are named."""
+    import json
+
+    from test_grammar import SCHEMA, WORDS
+    from tiny import make_text_tokenizer
+
+    from mlx_dflash import Grammar, generate
+
+    tok = make_text_tokenizer(WORDS)
+    model = make_target("qwen3", vocab_size=len(tok.vocab), seed=5)
+    target_dir = save_target(model, tok, tmp_path / "target")
+    drafter = make_drafter(model, block_size=8, layer_ids=(0, 2))
+    save_drafter(drafter, tmp_path / "drafter")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    pair = ["--model", str(target_dir), "--drafter", str(tmp_path / "drafter")]
+    out = cli("generate", "a pet", *pair, "--max-tokens", "120", "--json-schema", str(schema),
+              "--no-chat-template")
+    assert out.returncode == 0, out.stderr
+    want = generate(model, drafter, tok, "a pet", max_tokens=120,
+                    grammar=Grammar.json_schema(SCHEMA))
+    assert out.stdout.rstrip("\n") == want
+    json.loads(want)
+    missing = cli("generate", "a pet", *pair, "--json-schema", str(tmp_path / "nope.json"))
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "strng"}}}')
+    bad = cli("generate", "a pet", *pair, "--json-schema", str(schema))
+    assert bad.returncode == 2 and "strng" in bad.stderr

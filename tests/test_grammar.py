@@ -263,3 +263,28 @@ def test_json_object_mode(json_pair):
     got, _ = run(model, drafter, tok, [3, 4], 40, grammar=grammar)
     assert got == want and tok.decode(got).startswith("{")
 
+
+
+def test_the_batch_engine_keeps_each_row_to_its_own_grammar(json_pair):
+    """Rows with different grammars (and one without) in one batch: each equals plain
+    decoding under its own mask (a matcher per row)."""
+    from mlx_dflash import BatchEngine
+
+    model, tok = json_pair
+    drafter = make_drafter(model, block_size=8, layer_ids=(0, 2))
+    grammars = [Grammar.json_schema(SCHEMA), None, Grammar.json_object(),
+                Grammar.json_schema(SCHEMA)]
+    prompts = [[5, 6, 7], [8, 9], [3, 4], [40, 41, 42]]
+    engine = BatchEngine(model, drafter, tok, max_batch=4)
+    ids = [engine.submit(p, max_tokens=60, grammar=g) for p, g in zip(prompts, grammars)]
+    got = {i: [] for i in ids}
+    while not engine.idle:
+        for i, response in engine.step():
+            got[i] += response.tokens
+    for i, p, g in zip(ids, prompts, grammars):
+        if g is None:
+            want = [t for t, _ in generate_step(mx.array(p), model, max_tokens=60)]
+            want = want[: want.index(0)] if 0 in want else want
+        else:
+            want = constrained_reference(model, tok, p, g, 60)
+        assert got[i] == want, i

@@ -132,12 +132,34 @@ def parse_split(text: str) -> str:
     return text
 
 
-def chat_prompt(tokenizer: Any, text: str, use_template: bool = True) -> str | list[int]:
+def chat_prompt(tokenizer: Any, text: str, use_template: bool = True,
+                **template_kwargs: Any) -> str | list[int]:
     """Wrap a user message in the chat template when the tokenizer has one (like mlx_lm)."""
     if use_template and getattr(tokenizer, "has_chat_template", False):
         messages = [{"role": "user", "content": text}]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             **template_kwargs)
     return text
+
+
+def read_grammar(json_schema: str | None, json_object: bool) -> Any:
+    """The grammar --json-schema FILE or --json asks for (None: free text); a file that is
+    missing or a schema that cannot be enforced ends the command with the reason."""
+    from pathlib import Path
+
+    from ..grammar import Grammar, GrammarError
+
+    if json_schema is not None and json_object:
+        fail("--json-schema and --json are alternatives: give one")
+    try:
+        if json_schema is not None:
+            path = Path(json_schema)
+            if not path.is_file():
+                fail(f"--json-schema: no such file: {json_schema}")
+            return Grammar.json_schema(path.read_text())
+        return Grammar.json_object() if json_object else None
+    except GrammarError as e:
+        fail(f"--json-schema {json_schema}: {e}" if json_schema else str(e))
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,

@@ -19,6 +19,7 @@ from .common import (
     load_pair,
     parse_split,
     parse_tree,
+    read_grammar,
 )
 
 
@@ -48,6 +49,10 @@ def generate(
     copy: bool = typer.Option(COPY_DRAFTS, "--copy/--no-copy",
                               help="Copy drafts: verify what followed an earlier occurrence of "
                               "the last tokens when there is one."),
+    json_schema: Optional[str] = typer.Option(
+        None, "--json-schema", metavar="FILE", help="Reply with JSON valid against the JSON "
+        "schema in FILE (structured output, as lossless as free text)."),
+    json_object: bool = typer.Option(False, "--json", help="Reply with a JSON object."),
 ) -> None:
     """Generate text for PROMPT with speculative decoding. Under ``mlx.launch`` the target is
     split across the ranks; rank 0 reads the prompt and prints."""
@@ -65,6 +70,10 @@ def generate(
     if top_p == 0:
         fail("--top-p must be in (0, 1]")
     tree_size = parse_tree(tree)
+    grammar = read_grammar(json_schema, json_object)
+    if grammar is not None and tree_size is not None:
+        fail("--tree drafts are not kept to a grammar yet: leave out --tree with "
+             "--json-schema or --json")
     import mlx.core as mx
 
     from ..decode import stream_generate
@@ -76,11 +85,14 @@ def generate(
         mx.random.seed(seed)
     speak = distributed.is_root()
     last, progress = None, PrefillProgress() if speak else None
+    # A structured reply is the JSON itself: no thinking block first.
+    template_kwargs = {"enable_thinking": False} if grammar is not None else {}
     responses = stream_generate(
-        target, draft, tokenizer, chat_prompt(tokenizer, text, not no_chat_template),
+        target, draft, tokenizer,
+        chat_prompt(tokenizer, text, not no_chat_template, **template_kwargs),
         max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
         block_size=block_size, prompt_progress=progress, copy_drafts=copy,
-        tree=tree_size,
+        tree=tree_size, grammar=grammar,
     )
     try:
         for last in responses:

@@ -22,8 +22,10 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..grammar import Grammar
 from .errors import APIError
 from .reply import KEEPALIVE, REASONING, Reply, sse
+from .structured import grammar_of
 from .schemas import SEED_MIN, SEED_MAX, Int
 from .worker import Done, Started
 
@@ -185,11 +187,12 @@ class MessagesRequest(CountTokensRequest):
         return [s for s in self.stop_sequences or [] if s]
 
     def check_supported(self) -> None:
-        """A 400 for what would change the reply in a way this server cannot honour."""
+        """Nothing it may ask for changes the reply in a way this server cannot honour."""
+
+    def grammar(self) -> Grammar | None:
+        """What ``output_config.format`` holds the reply to (structured.py)."""
         extra = self.output_config.model_extra if self.output_config is not None else {}
-        if extra and extra.get("format") is not None:
-            raise APIError(400, "'output_config.format' (structured output) is not supported "
-                           "by this server yet.", param="output_config.format")
+        return grammar_of((extra or {}).get("format"), "output_config.format")
 
 
 def _text(content: Union[str, list, None]) -> str:

@@ -17,7 +17,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import __version__
+from ..grammar import Grammar, GrammarError, Matcher
 from ..policy import COPY_DRAFTS
+from ..target import as_target
 from .anthropic import CountTokensRequest, MessageShaper, MessagesRequest
 from .auth import APIKeyMiddleware
 from .chat import Shaper
@@ -34,6 +36,7 @@ from .prompts import ChatPrompt, chat_prompt, check_context, check_token_ids, te
 from .reply import Reply
 from .responses import ResponseShaper, ResponsesRequest, ResponseStore, conversation
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .structured import NO_THINKING
 from .tools import template_tools
 from .worker import Delta, Done, Failed, Job, ModelWorker, Started
 
@@ -109,7 +112,8 @@ def create_app(
         return found
 
     def make_job(body: Any, model: ServedModel, prompt: ChatPrompt, param: str,
-                 requested: int | None, requested_name: str, api: str = "openai") -> Job:
+                 requested: int | None, requested_name: str, api: str = "openai",
+                 grammar: Grammar | None = None) -> Job:
         """The worker's job for ``prompt``: a reply of at most ``requested`` tokens (None: until
         the context ends), cut to the room the context leaves. ``api``: "openai" (a limit
         beyond the whole context is a 400, as OpenAI's chat API has it), "responses" or
@@ -124,6 +128,13 @@ def create_app(
                            f"context size of {ctx} tokens.", param=requested_name,
                            code="invalid_value")
         room = ctx - n
+        if grammar is not None:
+            try:  # the grammar against this model's vocabulary, before the job is queued
+                Matcher(grammar, model.tokenizer,
+                        model.vocab_size or as_target(model.model).vocab_size)
+            except GrammarError as e:
+                raise APIError(400, f"The requested structured output cannot be enforced "
+                               f"with this model: {e}", code="unsupported_value") from None
         return Job(
             prompt=prompt.ids,
             max_tokens=min(requested or default_max_tokens or room, room,
@@ -136,8 +147,13 @@ def create_app(
             top_k=body.top_k,
             seed=body.seed,
             stop=body.stop_strings(),
+            grammar=grammar,
             loop=asyncio.get_running_loop(),
         )
+
+    def structured(kwargs: dict | None, grammar: Grammar | None) -> dict | None:
+        """The template's arguments: no thinking block before a structured reply."""
+        return {**(kwargs or {}), **NO_THINKING} if grammar is not None else kwargs
 
     def render(model: ServedModel, convo: list, tools: list | None, choice: Any,
                kwargs: dict | None, param: str = "tool_choice") -> ChatPrompt:
@@ -181,10 +197,11 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         model = served(body.model)
         body.check_supported()
+        grammar = body.grammar()
         prompt = render(model, body.messages, template_tools(body.tools), body.choice(),
-                        body.chat_template_kwargs)
+                        structured(body.chat_template_kwargs, grammar))
         requested, name = body.requested_max_tokens()
-        job = make_job(body, model, prompt, "messages", requested, name)
+        job = make_job(body, model, prompt, "messages", requested, name, grammar=grammar)
         shaper = Shaper(True, model.name, body.include_usage,
                         Reply(model.tokenizer, prompt.ids, prompt.tools))
         return await respond(job, shaper, body.stream, request)
@@ -201,7 +218,8 @@ def create_app(
         if isinstance(prompt, list):
             check_token_ids(ids, model.vocab_size)
         requested, name = body.requested_max_tokens()
-        job = make_job(body, model, ChatPrompt(ids), "prompt", requested, name)
+        job = make_job(body, model, ChatPrompt(ids), "prompt", requested, name,
+                       grammar=body.grammar())
         return await respond(job, Shaper(False, model.name, body.include_usage), body.stream,
                              request)
 
@@ -209,10 +227,11 @@ def create_app(
     async def messages(body: MessagesRequest, request: Request) -> Response:
         model = served(body.model)
         body.check_supported()
+        grammar = body.grammar()
         prompt = render(model, body.conversation(), body.template_tools(), body.choice(),
-                        body.template_kwargs())
+                        structured(body.template_kwargs(), grammar))
         job = make_job(body, model, prompt, "messages", body.max_tokens, "max_tokens",
-                       api="anthropic")
+                       api="anthropic", grammar=grammar)
         shaper = MessageShaper(model.name, Reply(model.tokenizer, prompt.ids, prompt.tools))
         return await respond(job, shaper, body.stream, request)
 
@@ -237,9 +256,11 @@ def create_app(
         except (AttributeError, TypeError, KeyError) as e:
             raise APIError(400, f"Malformed 'input' or 'tools': {type(e).__name__}: {e}.",
                            param="input") from e
-        prompt = render(model, convo, tools, body.choice(), body.template_kwargs())
+        grammar = body.grammar()
+        prompt = render(model, convo, tools, body.choice(),
+                        structured(body.template_kwargs(), grammar))
         job = make_job(body, model, prompt, "input", body.max_output_tokens,
-                       "max_output_tokens", api="responses")
+                       "max_output_tokens", api="responses", grammar=grammar)
         keep = (lambda response: stored.put(response, items)) if body.store else None
         shaper = ResponseShaper(model.name, body, Reply(model.tokenizer, prompt.ids,
                                                         prompt.tools), namespaced, keep)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .. import distributed
+from ..grammar import Grammar
 
 
 class LeadingEngine:
@@ -38,7 +39,9 @@ class LeadingEngine:
 
     def submit(self, prompt: Sequence[int], **sampling: Any) -> int:
         request_id = self.engine.submit(prompt, **sampling)  # refused here: never sent
-        self.outbox.append(["submit", request_id, list(prompt), sampling])
+        grammar = sampling.get("grammar")
+        sent = {**sampling, "grammar": grammar and [grammar.text, grammar.kind]}  # as JSON
+        self.outbox.append(["submit", request_id, list(prompt), sent])
         return request_id
 
     def prompt_started(self, request_id: int) -> tuple[int, int] | None:
@@ -78,7 +81,7 @@ def follow(worker: Any) -> None:
         for op, *args in distributed.share(None) or [["step"]]:
             if op == "new":
                 engine = worker.make_engine(args[0])
-            elif op == "submit" and engine.submit(args[1], **args[2]) != args[0]:
+            elif op == "submit" and engine.submit(args[1], **received(args[2])) != args[0]:
                 raise RuntimeError(f"rank {distributed.rank()} numbers requests unlike rank 0")
             elif op == "cancel":
                 engine.cancel(args[0])
@@ -86,3 +89,9 @@ def follow(worker: Any) -> None:
                 engine.step()  # one that fails ends the run (rank 0 stops serving too)
             elif op == "stop":
                 return
+
+
+def received(sampling: dict) -> dict:
+    """A job's sampling as rank 0 sent it (its grammar as [text, kind])."""
+    grammar = sampling.get("grammar")
+    return {**sampling, "grammar": grammar and Grammar(*grammar)}

@@ -24,8 +24,10 @@ from typing import Annotated, Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..grammar import Grammar
 from .errors import APIError
 from .reply import KEEPALIVE, REASONING, Reply, sse
+from .structured import grammar_of
 from .schemas import SEED_MAX, SEED_MIN, Int, json_or_text
 from .worker import Done
 
@@ -60,13 +62,13 @@ class ResponsesRequest(BaseModel):
 
     def check_supported(self) -> None:
         """A 400 for what would change the reply in a way this server cannot honour."""
-        fmt = (self.text or {}).get("format") or {}
-        if fmt.get("type", "text") != "text":
-            raise APIError(400, f"'text.format' of type '{fmt.get('type')}' (structured output) "
-                           "is not supported by this server yet.", param="text.format")
         if self.top_logprobs:
             raise APIError(400, "'top_logprobs' is not supported by this server.",
                            param="top_logprobs")
+
+    def grammar(self) -> Grammar | None:
+        """What ``text.format`` holds the reply to (structured.py)."""
+        return grammar_of((self.text or {}).get("format"), "text.format")
 
     def template_kwargs(self) -> dict[str, Any]:
         effort = (self.reasoning or {}).get("effort")

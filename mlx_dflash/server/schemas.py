@@ -13,7 +13,9 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from ..grammar import Grammar
 from .errors import APIError
+from .structured import grammar_of
 
 # Seeds are reduced mod 2**64 for mx.random.seed; allow the usual signed and unsigned 64-bit range.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -68,12 +70,15 @@ class SamplingRequest(BaseModel):
             ("frequency_penalty", bool(self.frequency_penalty)),
             ("presence_penalty", bool(self.presence_penalty)),
             ("logit_bias", bool(self.logit_bias)),
-            ("response_format", (self.response_format or {}).get("type", "text") != "text"),
         ]
         for name, used in unsupported:
             if used:
                 raise APIError(400, f"'{name}' is not supported by this server; leave it out.",
                                param=name, code="unsupported_parameter")
+
+    def grammar(self) -> Grammar | None:
+        """What ``response_format`` holds the reply to (structured.py)."""
+        return grammar_of(self.response_format, "response_format", nested=True)
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """(value, parameter name): ``max_completion_tokens`` wins, as in OpenAI's API."""

@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from .. import distributed
 from ..batch import BatchEngine, BatchNotSupported
+from ..grammar import Grammar
 from ..decode import GenerationResponse, check_tree, stream_generate, stream_generate_cached
 from ..policy import COPY_DRAFTS
 from ..target import as_target
@@ -89,6 +90,7 @@ class Job:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    grammar: Grammar | None = None  # structured output (structured.py)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # None: the client left
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -100,7 +102,8 @@ class Job:
     @property
     def sampling(self) -> dict[str, Any]:
         return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, seed=self.seed, checkpoints=self.checkpoints)
+                    top_k=self.top_k, seed=self.seed, checkpoints=self.checkpoints,
+                    grammar=self.grammar)
 
     def push(self, event: Event) -> None:
         """Hand an event to the request's event loop (called from the worker thread)."""
