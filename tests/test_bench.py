@@ -100,3 +100,37 @@ def test_context_bench_on_tiny_pair():
                 assert v["tokens"] == row["plain"]["tokens"] == 8
             assert row["concurrency2"]["outputs_differing_from_plain"] == 0
     assert "| code | auto+window16 |" in format_context_table(results)
+
+
+def test_structured_bench_on_a_tiny_pair():
+    """The structured-output bench: four variants per task; the schema variants parse and
+    validate (or are cut by max_tokens), the speculative one equals plain constrained
+    decoding; the shipped tasks load."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from test_grammar import SCHEMA, WORDS
+    from tiny import make_drafter, make_target, make_text_tokenizer
+
+    from mlx_dflash.bench_structured import (
+        format_structured_table,
+        read_tasks,
+        run_structured_bench,
+    )
+
+    shipped = read_tasks()
+    assert len(shipped) >= 20
+    tok = make_text_tokenizer(WORDS)
+    tok._tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                                    "{% if add_generation_prompt %}:{% endif %}")
+    tok = TokenizerWrapper(tok._tokenizer, eos_token_ids=[0])
+    model = make_target("qwen3", vocab_size=len(tok.vocab), seed=5)
+    drafter = make_drafter(model, block_size=8, layer_ids=(0, 2))
+    tasks = [{"name": "pet", "text": "A cat.", "schema": SCHEMA, "question": "Describe it."},
+             {"name": "any", "text": "x", "schema": {"type": "object", "properties": {
+                 "ok": {"type": "boolean"}}, "required": ["ok"],
+                 "additionalProperties": False}, "question": "Say ok."}]
+    results = run_structured_bench(model, drafter, tok, tasks, max_tokens=120, progress=False)
+    s = results["summary"]
+    assert s["auto+schema"]["equal_to_plain_schema"] == 2
+    assert s["auto+schema"]["valid"] == 2 and s["plain+schema"]["valid"] == 2
+    assert s["auto+schema"]["forced_share"] > 0 and results["mask_s_per_token"] > 0
+    assert "auto+schema" in format_structured_table(results)

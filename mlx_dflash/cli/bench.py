@@ -24,7 +24,7 @@ def parse_length(text: str) -> int:
 
 @app.command()
 def bench(
-    prompts: List[Path] = typer.Option(..., "--prompts", help="JSON Lines file(s) with a "
+    prompts: List[Path] = typer.Option([], "--prompts", help="JSON Lines file(s) with a "
                                        "'prompt', 'question' or 'turns' field; repeatable."),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d",
                                           help="Shipped drafter name or dir/hub id."),
@@ -63,6 +63,12 @@ def bench(
     prefill_compare: bool = typer.Option(True, "--prefill-compare/--no-prefill-compare",
                                          help="With --context: also time mlx-lm's prefill of "
                                          "the first prompt of each kind (one more prefill)."),
+    structured: bool = typer.Option(False, "--structured", help="Instead: the structured-"
+                                    "output bench (JSON extraction tasks, with and without "
+                                    "their schemas, plain and speculative)."),
+    tasks: Optional[Path] = typer.Option(None, "--tasks", help="With --structured: a JSON "
+                                         "Lines file of tasks (name, text, schema, question); "
+                                         "default: the 24 that ship with the package."),
 ) -> None:
     """Compare plain greedy decoding with DFlash at several block sizes (runs interleaved)."""
     from ..bench import (
@@ -72,8 +78,12 @@ def bench(
         run_batch_bench,
         run_bench,
     )
-    from ..drafters.shipped import DEFAULT_DRAFTER, resolve_drafter
+    from ..drafters.shipped import resolve_drafter
 
+    if structured:
+        return _structured(model, drafter, tasks, max_tokens, limit, json_out)
+    if not prompts:
+        fail("--prompts is required (a JSON Lines file of prompts; repeatable)")
     for f in prompts:
         if not f.exists():
             fail(f"prompt file not found: {f}")
@@ -117,6 +127,13 @@ def bench(
         results = run_bench(target, draft, tokenizer, sets, list(block_size), max_tokens,
                             copy_drafts=copy, auto=auto, trees=trees)
         table = format_table
+    _report(results, table, model, drafter, json_out)
+
+
+def _report(results: dict, table, model: Optional[str], drafter: Optional[str],
+            json_out: Optional[Path]) -> None:
+    from ..drafters.shipped import DEFAULT_DRAFTER
+
     # Named as given (a shipped drafter by its name): no paths of this machine in the results.
     results["settings"]["drafter"] = drafter or DEFAULT_DRAFTER
     results["settings"]["model"] = model or "default (SmolLM2-135M-Instruct, float32)"
@@ -125,3 +142,21 @@ def bench(
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(results, indent=2) + "\n")
         typer.echo(f"wrote {json_out}")
+
+
+def _structured(model: Optional[str], drafter: Optional[str], tasks_file: Optional[Path],
+                max_tokens: int, limit: Optional[int], json_out: Optional[Path]) -> None:
+    from ..bench_structured import format_structured_table, read_tasks, run_structured_bench
+    from ..drafters.shipped import resolve_drafter
+
+    if tasks_file is not None and not tasks_file.is_file():
+        fail(f"task file not found: {tasks_file}")
+    try:
+        tasks = read_tasks(tasks_file)[:limit]
+    except (ValueError, KeyError) as e:
+        fail(str(e))
+    target, draft, tokenizer = load_pair(model, resolve_drafter(drafter) if drafter else None)
+    if draft is None:
+        fail("bench needs a drafter (--drafter)")
+    results = run_structured_bench(target, draft, tokenizer, tasks, max_tokens)
+    _report(results, format_structured_table, model, drafter, json_out)
