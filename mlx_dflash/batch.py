@@ -45,7 +45,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import distributed
 from .accept import SamplingParams, sample_first, seeded
-from .grammar import Grammar, GrammarError, Matcher, apply_masks, constrain_proposal
+from .grammar import Grammar, Matcher, apply_masks, constrain_proposal, constrain_tree
 from .batch_cache import BatchNotSupported, make_batch_cache  # noqa: F401 (re-exported)
 from .cycle import (
     DEFAULT_PREFILL_STEP, DRAFTER, PLAIN, TREE, Cycle, Speculator, TreeCycle, accepted_cycle,
@@ -63,7 +63,7 @@ from .schedule import (
     cached_batch_costs, kv_bytes_per_position, memory_headroom, plan_batch, plan_nodes,
 )
 from .target import as_target
-from .tree import AUTO, TREE_MAX, LazyTree, select_tree, target_choices, tree_beam
+from .tree import AUTO, TREE_MAX, DraftTree, LazyTree, select_tree, target_choices, tree_beam
 
 
 @dataclass
@@ -163,8 +163,6 @@ class BatchEngine:
         ``grammar``: its reply keeps to it (as ``stream_generate``'s)."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if grammar is not None and self.tree is not None:
-            raise GrammarError("tree drafts are not kept to a grammar yet: serve without tree")
         params = SamplingParams(temperature, top_p, top_k, **seeded(seed))
         tokens = encode_prompt(self.tokenizer, prompt)
         stats = GenerationStats(prompt_tokens=len(tokens), block_size=self.width)
@@ -291,7 +289,9 @@ class BatchEngine:
         if trees and self.tree == AUTO:
             plans, scores = self._size_trees(plans, trees)
         proposals, masks = self._constrain(self._draft(plans, skip=trees), plans)
-        cycles = (self._tree_pass(proposals, trees, scores, plans) if trees
+        if trees:
+            self._constrain_trees(trees, scores, masks)
+        cycles = (self._tree_pass(proposals, trees, scores, plans, masks) if trees
                   else self._chain_pass(proposals, plans, masks))
         # The one host sync of the batch's cycle (confidences too: the schedulers read them).
         mx.eval([c.packed for c in cycles] + [c.confidence for c in cycles
@@ -323,6 +323,23 @@ class BatchEngine:
                     r.matcher, p, min(self.width - 1, r.room), r.params, sampled)
         return proposals, masks
 
+    def _constrain_trees(self, trees: dict[int, LazyTree], scores: dict[int, list[float]],
+                         masks: list[mx.array | None]) -> None:
+        """Trees of rows with a grammar kept to it (in place; one host read of each) and
+        their rows' masks."""
+        for i, lazy in list(trees.items()):
+            matcher = self.running[i].matcher
+            if matcher is None:
+                continue
+            host = DraftTree(lazy.tokens.tolist(), lazy.parents.tolist(), lazy.scores.tolist())
+            kept, masks[i] = constrain_tree(matcher, host)
+            trees[i] = LazyTree(mx.array(kept.tokens, dtype=mx.uint32),
+                                mx.array(kept.parents, dtype=mx.int32),
+                                mx.array(kept.scores), mx.array(kept.depths()),
+                                mx.array(kept.visible()))
+            if i in scores:
+                scores[i] = kept.scores
+
     def _chain_pass(self, proposals: list[Proposal], plans: list,
                     masks: Sequence[mx.array | None] = ()) -> list[Cycle]:
         """One target pass over every row's ``[anchor] + drafts``, right-padded (``masks``:
@@ -344,7 +361,8 @@ class BatchEngine:
                               r.params, source, r.context)
 
     def _tree_pass(self, proposals: list[Proposal | None], trees: dict[int, LazyTree],
-                   scores: dict[int, list[float]], plans: list) -> list[Cycle]:
+                   scores: dict[int, list[float]], plans: list,
+                   masks: Sequence[mx.array | None] = ()) -> list[Cycle]:
         """One tree pass over every row: the drafting requests' trees, the others' blocks as
         chains, each padded with children of its anchor that nothing sees."""
         sizes = [len(trees[i]) if i in trees else p.drafts.shape[0]
@@ -370,11 +388,13 @@ class BatchEngine:
             max_depth=min(W - 1, max(self.width - 1, self.drafter.max_drafts)))
         cycles = []
         for i, (r, p, (_, _, source)) in enumerate(zip(self.running, proposals, plans)):
+            row_masks = masks[i] if masks else None
             if i not in trees:
-                cycles.append(self._chain_cycle(i, r, p, source, logits, features))
+                cycles.append(self._chain_cycle(i, r, p, source, logits, features, row_masks))
                 continue
             tree, n = trees[i], sizes[i]
-            choices = target_choices(logits[i, : n + 1], r.params, r.context, depths[i][: n + 1])
+            choices = target_choices(apply_masks(logits[i, : n + 1], row_masks), r.params,
+                                     r.context, depths[i][: n + 1])
             packed = mx.concatenate([choices, tree.tokens.astype(mx.uint32),
                                      (tree.parents + 1).astype(mx.uint32)])
             row_features = features[i : i + 1, : n + 1] if features is not None else None

@@ -19,7 +19,7 @@ import numpy as np
 
 from .accept import SamplingParams, accept_block, point_mass
 from .drafters.base import Drafter, Proposal
-from .grammar import Matcher, apply_masks, constrain_proposal
+from .grammar import Matcher, apply_masks, constrain_proposal, constrain_tree
 from .pair_cache import PairCache
 from .target import Target
 from .tree import DraftTree, LazyTree, select_tree, target_choices, tree_beam
@@ -205,6 +205,10 @@ class Speculator:
         if sizer is not None:  # its size sets the pass's shape: the scores are read first
             scores = tree.scores.tolist()
             tree = tree.first(sizer(np.array(scores)))
+        if self.matcher is not None:  # the tree is read and kept to the grammar on the host
+            host = DraftTree(tree.tokens.tolist(), tree.parents.tolist(),
+                             tree.scores.tolist())
+            return self.verify_tree(anchor, host, TREE, position)
         choices, features = self.tree_pass(anchor, tree.tokens, tree.depths, tree.visible,
                                            min(len(tree), self.drafter.max_drafts), position)
         packed = mx.concatenate([choices, tree.tokens.astype(mx.uint32),
@@ -222,20 +226,27 @@ class Speculator:
     def verify_tree(self, anchor: mx.array, tree: DraftTree, source: str = TREE,
                     position: int = 0) -> TreeCycle:
         """A cycle verifying a tree known on the host; ``source``: TREE (the drafter's) or
-        COPY (looked-up branches)."""
+        COPY (looked-up branches). With a grammar, its nodes are kept to it first."""
+        masks = None
+        if self.matcher is not None:
+            tree, masks = constrain_tree(self.matcher, tree)
         choices, features = self.tree_pass(anchor, mx.array(tree.tokens, dtype=mx.uint32),
-                                           tree.depths(), tree.visible(), position=position)
-        return TreeCycle(anchor, len(tree), source, choices, choices, features, tree=tree)
+                                           tree.depths(), tree.visible(), position=position,
+                                           masks=masks)
+        return TreeCycle(anchor, len(tree), source, choices, choices, features, tree=tree,
+                         scores=tree.scores or None)
 
     def tree_pass(self, anchor: mx.array, nodes: mx.array, depths: Any, visible: Any,
-                  max_depth: int | None = None, position: int = 0
-                  ) -> tuple[mx.array, mx.array | None]:
+                  max_depth: int | None = None, position: int = 0,
+                  masks: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
         """One target pass over the anchor and a tree's nodes (a tree mask): the target's
-        choice after each row, and the pass's tap features."""
+        choice after each row (``masks``: what a grammar allows there), and the pass's tap
+        features."""
         logits, features = self.target.forward_tree(
             mx.concatenate([anchor, nodes.astype(mx.uint32)])[None], depths, visible,
             self.cache, self.layer_ids, max_depth)
-        return target_choices(logits[0], self.params, position, depths), features
+        return (target_choices(apply_masks(logits[0], masks), self.params, position, depths),
+                features)
 
     def feed(self, cycle: Cycle) -> None:
         """Queue all of a cycle's features for the drafter before it is synced (a plain

@@ -18,7 +18,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .accept import SamplingParams, sample_first, seeded
-from .grammar import Grammar, GrammarError, Matcher
+from .grammar import Grammar, Matcher
 from .cycle import (
     COPY,
     DEFAULT_PREFILL_STEP,
@@ -240,8 +240,6 @@ def stream_generate(
                                                        block_size, schedule)
     if tree is not None:
         check_tree(target, drafter, tree)
-        if grammar is not None:
-            raise GrammarError("tree drafts are not kept to a grammar yet: leave out tree")
     matcher = Matcher(grammar, tokenizer, target.vocab_size) if grammar is not None else None
     tokens = encode_prompt(tokenizer, prompt)
     stats = GenerationStats(prompt_tokens=len(tokens), block_size=width)

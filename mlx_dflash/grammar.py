@@ -238,3 +238,38 @@ def as_dense(probs: Any, vocab_size: int) -> mx.array:
         return mx.put_along_axis(mx.zeros((K, vocab_size), dtype=probs.probs.dtype),
                                  probs.ids.astype(mx.int32), probs.probs, axis=-1)
     return probs
+
+
+def constrain_tree(matcher: Matcher, tree: Any) -> tuple[Any, mx.array]:
+    """A tree of drafts (tree.DraftTree) kept to the grammar: each node the grammar allows
+    after its path, a forbidden node dropped with its subtree, nothing below the end of the
+    reply; and the masks of the pass's rows [N' + 1, V] (the anchor's, then each node's).
+    The matcher is left where it was."""
+    from .tree import DraftTree
+
+    kept = DraftTree([], [], [])
+    row_of = {-1: 0}  # node -> its row in the kept tree (the anchor: 0)
+    paths: list[list[int]] = [[]]  # row -> the tokens from the anchor down to it
+    masks = [matcher.allowed()]
+    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        row = row_of.get(parent)
+        if row is None or not masks[row][token]:
+            continue
+        if row and paths[row][-1] in matcher.stop_ids:
+            continue  # below the end of the reply
+        path = paths[row] + [token]
+        if token in matcher.stop_ids:
+            mask = np.ones(matcher.vocab_size, dtype=bool)  # never sampled from
+        else:
+            if not matcher.matcher.consume_tokens(path):
+                raise GrammarError(matcher.matcher.get_error())  # allowed tokens: a bug
+            mask = matcher.allowed()
+            matcher.matcher.rollback(len(path))
+        row_of[i] = len(paths)
+        paths.append(path)
+        masks.append(mask)
+        kept.tokens.append(token)
+        kept.parents.append(row - 1)
+        if tree.scores:
+            kept.scores.append(tree.scores[i])
+    return kept, mx.array(np.stack(masks))

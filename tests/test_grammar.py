@@ -240,11 +240,46 @@ def test_a_schema_it_cannot_compile_is_named():
         Grammar.regex("(a|")
 
 
-def test_trees_with_a_grammar_are_refused(json_pair):
+@pytest.mark.parametrize("tree", [4, "auto"])
+def test_tree_drafts_under_a_grammar(json_pair, tree):
+    """Tree drafts (the drafter's, and copied branches) under a grammar: each node is kept to
+    the grammar along its path, the pass's rows are masked; alone and batched, greedy equals
+    plain constrained decoding, and sampled trees stay in the grammar."""
+    from mlx_dflash import BatchEngine
+    from mlx_dflash.cycle import Speculator
+
     model, tok = json_pair
     drafter = make_drafter(model, block_size=8, layer_ids=(0, 2))
-    with pytest.raises(GrammarError, match="tree"):
-        run(model, drafter, tok, [5, 6], 10, grammar=Grammar.json_object(), tree=4)
+    grammar = Grammar.json_schema(SCHEMA)
+    prompts = [[5, 6, 7], [40, 41, 42, 43]]
+    wants = [constrained_reference(model, tok, p, grammar, 80) for p in prompts]
+    trees = []
+    verify_tree = Speculator.verify_tree
+
+    def counting(self, anchor, t, *args, **kw):
+        trees.append(len(t))
+        return verify_tree(self, anchor, t, *args, **kw)
+
+    Speculator.verify_tree = counting
+    try:
+        for p, want in zip(prompts, wants):
+            got, _ = run(model, drafter, tok, p, 80, grammar=grammar, tree=tree)
+            assert got == want
+    finally:
+        Speculator.verify_tree = verify_tree
+    assert trees and max(trees) > 1
+    engine = BatchEngine(model, drafter, tok, max_batch=4, tree=tree)
+    ids = [engine.submit(p, max_tokens=80, grammar=grammar) for p in prompts]
+    ids.append(engine.submit([8, 9], max_tokens=30))  # a row without one beside them
+    got = {i: [] for i in ids}
+    while not engine.idle:
+        for i, response in engine.step():
+            got[i] += response.tokens
+    assert [got[i] for i in ids[:2]] == wants
+    for seed in range(3):
+        text, _ = run(model, drafter, tok, [5, 6, 7], 200, grammar=grammar, tree=tree,
+                      temperature=1.0, seed=seed)
+        SCHEMA_CHECK(tok.decode(text))
 
 
 def test_the_reply_ends_when_the_grammar_does(json_pair):

@@ -71,9 +71,6 @@ def generate(
         fail("--top-p must be in (0, 1]")
     tree_size = parse_tree(tree)
     grammar = read_grammar(json_schema, json_object)
-    if grammar is not None and tree_size is not None:
-        fail("--tree drafts are not kept to a grammar yet: leave out --tree with "
-             "--json-schema or --json")
     import mlx.core as mx
 
     from ..decode import stream_generate
