@@ -19,6 +19,7 @@ given), and the masks of every position go to the target pass.
 from __future__ import annotations
 
 import json
+import re
 import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -73,6 +74,29 @@ class Grammar:
         import llguidance
 
         return cls._checked(llguidance.LLMatcher.grammar_from_lark(grammar), "lark")
+
+    @classmethod
+    def tool_calls(cls, call_schema: dict, start: str, end: str, inside: bool = False
+                   ) -> Grammar:
+        """Free text with tool calls in it, each ``start`` + newline + a JSON call valid
+        against ``call_schema`` + newline + ``end`` (the format of mlx-lm's ``json_tools``
+        parser: Qwen's, among others). ``inside``: the reply opens inside a call (the prompt
+        ended with ``start``)."""
+        import llguidance
+
+        # (JSON as elsewhere: "x-guidance" carries the compile options into %json)
+        call_schema = {**call_schema, "x-guidance": JSON_OPTIONS}
+        call = (f'call: "\\n" %json {json.dumps(call_schema)} '
+                f'{json.dumps(chr(10) + end)}')
+        free = re.escape(start).replace("/", "\\/")
+        lark = "\n".join([
+            f"start: {'call ' if inside else ''}chunk* LAST",
+            "chunk: before_call call",
+            f"before_call[suffix={json.dumps(start)}]: /(?s:.*)/",
+            call,
+            f"LAST: /(?s:.*)/ & ~/(?s:.*{free}.*)/",
+        ])
+        return cls._checked(llguidance.LLMatcher.grammar_from_lark(lark), "tool_calls")
 
     @classmethod
     def _checked(cls, text: str, kind: str) -> Grammar:

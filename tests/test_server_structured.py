@@ -103,3 +103,60 @@ def test_what_cannot_be_enforced_is_a_400_naming_it(server, path, body, param, w
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert words in error["message"] and error.get("param", param) == param, error
+
+
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "strict": True, "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
+        "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def tool_server():
+    """A model whose tool calls are JSON between <tool_call> markers (mlx-lm's json_tools)."""
+    from mlx_lm.tool_parsers import json_tools
+
+    tok = make_text_tokenizer(WORDS + ("<tool_call>", "</tool_call>", "get_weather", "city"))
+    tok._tokenizer.chat_template = TEMPLATE
+    wrapper = TokenizerWrapper(tok._tokenizer, eos_token_ids=[0],
+                               tool_call_start="<tool_call>", tool_call_end="</tool_call>",
+                               tool_parser=json_tools.parse_tool_call)
+    model = make_target("qwen3", vocab_size=len(tok.vocab), seed=5)
+    drafter = make_drafter(model, block_size=8, layer_ids=(0, 2))
+    with BackgroundServer(create_app(model, drafter, wrapper, model_name=NAME)) as srv:
+        yield srv
+
+
+def test_strict_tool_calls_keep_to_their_schema(tool_server):
+    """tool_choice required with a strict tool: the call the reply opens is held to the
+    tool's parameters (a random model's call parses and validates every time); a tool that
+    is not strict is left free."""
+    client = openai.OpenAI(api_key="x", base_url=f"{tool_server.url}/v1", max_retries=0)
+    params = TOOL["function"]["parameters"]
+    for seed in range(4):
+        r = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=80,
+                                           tools=[TOOL], tool_choice="required",
+                                           temperature=1.0, seed=seed)
+        calls = r.choices[0].message.tool_calls
+        assert calls and calls[0].function.name == "get_weather", r.choices[0].message
+        jsonschema.validate(json.loads(calls[0].function.arguments), params)
+    loose = {"type": "function", "function": {**TOOL["function"], "strict": False}}
+    r = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=40,
+                                       tools=[loose], tool_choice="required", temperature=0)
+    assert not r.choices[0].message.tool_calls  # a random model's free call does not parse
+    # The Responses API's function tools (strict by default there when set) and Anthropic's.
+    fn = TOOL["function"]
+    r = client.responses.create(model=NAME, input="weather?", max_output_tokens=80,
+                                temperature=1.0, extra_body={"seed": 1}, tool_choice="required",
+                                tools=[{"type": "function", "name": fn["name"],
+                                        "parameters": params, "strict": True}])
+    call = next(item for item in r.output if item.type == "function_call")
+    jsonschema.validate(json.loads(call.arguments), params)
+    r = httpx.post(f"{tool_server.url}/v1/messages", timeout=60, json={
+        "model": NAME, "max_tokens": 80, "temperature": 1.0, "seed": 2, "messages": MESSAGES,
+        "tool_choice": {"type": "any"},
+        "tools": [{"name": fn["name"], "input_schema": params, "strict": True}]})
+    use = next(b for b in r.json()["content"] if b["type"] == "tool_use")
+    jsonschema.validate(use["input"], params)

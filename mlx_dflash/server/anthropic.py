@@ -89,6 +89,7 @@ class Tool(_Strict):
     type: Optional[str] = None  # "custom" or absent; server tools ("web_search_...") too
     description: Optional[str] = None
     input_schema: Optional[dict] = None
+    strict: Optional[bool] = None
 
 
 class ToolChoice(_Strict):
@@ -125,7 +126,7 @@ class CountTokensRequest(_Strict):
                 continue
             out.append({"type": "function", "function": {
                 "name": t.name, "description": t.description or "",
-                "parameters": t.input_schema}})
+                "parameters": t.input_schema, **({"strict": True} if t.strict else {})}})
         return out or None
 
     def choice(self) -> str:

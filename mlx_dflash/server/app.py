@@ -201,7 +201,8 @@ def create_app(
         prompt = render(model, body.messages, template_tools(body.tools), body.choice(),
                         structured(body.chat_template_kwargs, grammar))
         requested, name = body.requested_max_tokens()
-        job = make_job(body, model, prompt, "messages", requested, name, grammar=grammar)
+        job = make_job(body, model, prompt, "messages", requested, name,
+                       grammar=grammar or prompt.grammar)
         shaper = Shaper(True, model.name, body.include_usage,
                         Reply(model.tokenizer, prompt.ids, prompt.tools))
         return await respond(job, shaper, body.stream, request)
@@ -231,7 +232,7 @@ def create_app(
         prompt = render(model, body.conversation(), body.template_tools(), body.choice(),
                         structured(body.template_kwargs(), grammar))
         job = make_job(body, model, prompt, "messages", body.max_tokens, "max_tokens",
-                       api="anthropic", grammar=grammar)
+                       api="anthropic", grammar=grammar or prompt.grammar)
         shaper = MessageShaper(model.name, Reply(model.tokenizer, prompt.ids, prompt.tools))
         return await respond(job, shaper, body.stream, request)
 
@@ -260,7 +261,7 @@ def create_app(
         prompt = render(model, convo, tools, body.choice(),
                         structured(body.template_kwargs(), grammar))
         job = make_job(body, model, prompt, "input", body.max_output_tokens,
-                       "max_output_tokens", api="responses", grammar=grammar)
+                       "max_output_tokens", api="responses", grammar=grammar or prompt.grammar)
         keep = (lambda response: stored.put(response, items)) if body.store else None
         shaper = ResponseShaper(model.name, body, Reply(model.tokenizer, prompt.ids,
                                                         prompt.tools), namespaced, keep)

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..grammar import Grammar
 from ..prompts import encode_prompt
 from .errors import APIError
+from .structured import tool_call_grammar
 from .schemas import ChatMessage
 from .tools import ToolCalls
 
@@ -19,6 +21,7 @@ class ChatPrompt:
     ids: list[int]
     tools: ToolCalls | None = None
     checkpoints: list[int] = field(default_factory=list)
+    grammar: Grammar | None = None  # strict tools' calls held to their schemas
 
 
 def chat_prompt(
@@ -49,7 +52,8 @@ def chat_prompt(
     ends = earlier_turns_end(tokenizer, convo, tools, ids, kwargs) if checkpoints else []
     if forced:
         ids = ids + list(tokenizer.tool_call_start_tokens)
-    return ChatPrompt(ids, ToolCalls.for_request(tokenizer, tools, inside=forced), ends)
+    return ChatPrompt(ids, ToolCalls.for_request(tokenizer, tools, inside=forced), ends,
+                      tool_call_grammar(tokenizer, tools, inside=forced))
 
 
 def _tool_name(tool: dict) -> str | None:

@@ -114,7 +114,8 @@ def _function(tool: dict, param: str) -> dict:
         raise APIError(400, f"Missing required parameter: '{param}.name'.", param=f"{param}.name")
     return {"type": "function", "function": {
         "name": tool["name"], "description": tool.get("description") or "",
-        "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}}
+        "parameters": tool.get("parameters") or {"type": "object", "properties": {}},
+        **({"strict": True} if tool.get("strict") else {})}}
 
 
 def conversation(instructions: str | None, items: str | list[dict]) -> list[dict[str, Any]]:

@@ -162,6 +162,7 @@ class FunctionSpec(BaseModel):
     name: str
     description: Optional[str] = None
     parameters: Optional[dict] = None
+    strict: Optional[bool] = None  # its calls held to ``parameters`` (structured.py)
 
 
 class ToolSpec(BaseModel):

@@ -4,7 +4,12 @@
   "json_schema", "json_schema": {"name", "schema", "strict"}}``;
 - Responses: ``text.format`` ``{"type": "json_object"}`` or ``{"type": "json_schema",
   "name", "schema", "strict"}``;
-- Anthropic messages: ``output_config.format`` ``{"type": "json_schema", "schema"}``.
+- Anthropic messages: ``output_config.format`` ``{"type": "json_schema", "schema"}``;
+- function tools with ``strict: true`` (all three APIs): once the reply opens a tool call, the
+  call is held to ``{"name": <an offered tool>, "arguments": <its parameters' schema>}``
+  (other tools' arguments: any object), for models whose calls are JSON between markers
+  (mlx-lm's ``json_tools`` format: Qwen's, among others); free text around the calls as
+  usual. Other call formats leave strict tools unconstrained (logged once per request).
 
 The reply is held to the schema whether or not ``strict`` is set (a reply valid under the
 schema is what a client asking for one can use). A schema the engine cannot compile is a 400
@@ -14,10 +19,13 @@ not to open a thinking block (``enable_thinking: false``): the reply is the JSON
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..grammar import Grammar, GrammarError
 from .errors import APIError
+
+log = logging.getLogger("mlx_dflash.server")
 
 NO_THINKING = {"enable_thinking": False}
 
@@ -47,3 +55,28 @@ def grammar_of(fmt: Any, param: str, nested: bool = False) -> Grammar | None:
     except GrammarError as e:
         raise APIError(400, f"'{where}.schema' cannot be enforced: {e}",
                        param=f"{where}.schema", code="unsupported_value") from None
+
+
+def tool_call_grammar(tokenizer: Any, tools: list[dict] | None, inside: bool) -> Grammar | None:
+    """The grammar holding tool calls to strict tools' schemas (None: no strict tool, or a
+    call format it cannot hold). ``inside``: the prompt ends with the call's opening marker."""
+    functions = [t.get("function") or {} for t in tools or []]
+    if not any(f.get("strict") for f in functions):
+        return None
+    parser = getattr(tokenizer, "tool_parser", None)
+    if getattr(parser, "__module__", "") != "mlx_lm.tool_parsers.json_tools":
+        log.info("strict tools are not enforced: this model's tool calls are not JSON "
+                 "between markers")
+        return None
+    calls = [{"type": "object", "properties": {
+        "name": {"const": f.get("name")},
+        "arguments": (f.get("parameters") or {"type": "object"}) if f.get("strict")
+        else {"type": "object"}}, "required": ["name", "arguments"],
+        "additionalProperties": False} for f in functions]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    try:
+        return Grammar.tool_calls(schema, tokenizer.tool_call_start, tokenizer.tool_call_end,
+                                  inside)
+    except GrammarError as e:
+        raise APIError(400, f"A strict tool's 'parameters' cannot be enforced: {e}",
+                       param="tools", code="unsupported_value") from None
