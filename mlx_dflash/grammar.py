@@ -9,11 +9,12 @@ dependencies (xgrammar needs torch; outlines-core's masks cost ~10x more per tok
 The law under speculation: at every position the target's distribution is masked by the
 grammar (disallowed tokens at -inf, the rest renormalised), exactly as plain constrained
 decoding has it. A cycle's block is checked on the host before the target pass
-(:meth:`Matcher.constrain`): tokens the grammar admits alone lead the block (forced: the
-masked target can only choose them), a looked-up token the grammar forbids ends the block, a
-sampled draft it forbids is drawn again from the drafter's distribution restricted to what
-the grammar allows (so the drafts follow the masked proposal that rejection sampling is then
-given), and the masks of every position go to the target pass.
+(:meth:`Matcher.constrain`): where the grammar admits one token alone, that token is the
+block's there (forced: the masked target can choose nothing else, so it is certain), a
+looked-up or greedy draft the grammar forbids ends the block, a sampled draft it forbids is
+drawn again from the drafter's distribution restricted to what the grammar allows (so the
+drafts follow the masked proposal that rejection sampling is then given), and the masks of
+every position go to the target pass.
 """
 
 from __future__ import annotations
