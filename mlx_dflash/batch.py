@@ -148,6 +148,7 @@ class BatchEngine:
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []  # in the batch cache's row order
         self.joining: _Request | None = None  # admitted, its prompt being prefilled
+        self.last_pass: tuple[int, int] | None = None  # (rows, tokens a row) of the last pass
         self._ids = itertools.count()
 
     @property
@@ -345,6 +346,7 @@ class BatchEngine:
         """One target pass over every row's ``[anchor] + drafts``, right-padded (``masks``:
         a grammar's, per row)."""
         width = 1 + max(p.drafts.shape[0] for p in proposals)
+        self.last_pass = (len(proposals), width)
         rows = [mx.concatenate([r.anchor, p.drafts, mx.zeros((width - 1 - p.drafts.shape[0],),
                                                              dtype=mx.uint32)])
                 for r, p in zip(self.running, proposals)]
@@ -368,6 +370,7 @@ class BatchEngine:
         sizes = [len(trees[i]) if i in trees else p.drafts.shape[0]
                  for i, p in enumerate(proposals)]
         W = 1 + max(sizes)
+        self.last_pass = (len(sizes), W)
         tokens, depths, visible = [], [], []
         for i, (r, p, n) in enumerate(zip(self.running, proposals, sizes)):
             if i in trees:

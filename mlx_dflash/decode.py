@@ -56,6 +56,8 @@ class GenerationStats:
     branched_cycles: int = 0  # lookup cycles that verified several continuations as a tree
     cached_tokens: int = 0  # prompt tokens a prompt_cache already held (not prefilled)
     forced_tokens: int = 0  # committed tokens a grammar admitted alone (grammar.py)
+    # source (drafter, copy, ngram, tree) -> [tokens verified after the anchor, accepted]
+    by_source: dict[str, list[int]] = field(default_factory=dict)
 
     def record(self, cycle: Cycle, accepted: int) -> None:
         self.acceptance_lengths.append(accepted + 1)
@@ -65,6 +67,10 @@ class GenerationStats:
         self.tree_cycles += cycle.source == TREE
         self.branched_cycles += cycle.looked_up and isinstance(cycle, TreeCycle)
         self.forced_tokens += sum(cycle.forced[:accepted])
+        if cycle.num_drafts:
+            counts = self.by_source.setdefault(cycle.source, [0, 0])
+            counts[0] += cycle.num_drafts
+            counts[1] += accepted
 
     @property
     def prefilled_tokens(self) -> int:

@@ -6,7 +6,7 @@ next-token mask (and the commit of a token) along each schema's answer, and the 
 back a cycle's worth of tokens. xgrammar is not measured: its wheel requires torch,
 transformers and triton, too heavy a dependency for an MLX package.
 
-    python scripts/grammar_engines.py --json results/grammar_engines_2026-12-06.json
+    python scripts/grammar_engines.py --json results/grammar_engines_2026-12-07.json
 """
 
 from __future__ import annotations

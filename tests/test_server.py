@@ -438,7 +438,8 @@ def test_serve_command(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlx_dflash.cli", "serve", "--model", str(target_dir),
          "--drafter", str(drafter_dir), "--port", str(port), "--model-name", "disk",
-         "--block-size", "3", "--log-level", "warning"],
+         "--block-size", "3", "--log-level", "info", "--log-file", str(tmp_path / "logs/s.log"),
+         "--allowed-origins", "http://ok.test"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -462,7 +463,12 @@ def test_serve_command(tmp_path):
         want = generate(disk_model, load_drafter(str(drafter_dir), model=disk_model), disk_tok,
                         "w5 w6 w7", max_tokens=10, block_size=3)
         assert r.choices[0].text == want and r.model_extra["dflash"]["block_size"] == 3
+        preflight = httpx.options(f"http://127.0.0.1:{port}/v1/completions", headers={
+            "Origin": "http://ok.test", "Access-Control-Request-Method": "POST"})
+        assert preflight.status_code == 200  # --allowed-origins: no key asked of a preflight
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
+    logged = (tmp_path / "logs/s.log").read_text()  # --log-file: one line per request
+    assert "'disk': 3 prompt tokens" in logged and "finish length" in logged, logged

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from pathlib import Path
 from typing import Any, List, Optional
 
 import typer
@@ -113,7 +114,15 @@ def serve(
     max_batch: int = typer.Option(
         8, "--max-batch", min=1, help="Requests decoded together (continuous batching, one "
         "verify pass for all); more wait their turn. 1: one at a time."),
-    log_level: str = typer.Option("info", "--log-level"),
+    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or "
+                                  "error (the package's log lines and uvicorn's)."),
+    log_file: Optional[Path] = typer.Option(
+        None, "--log-file", help="Also write the package's log lines (one per request, model "
+        "loads, warnings) to this file (rotated at 10 MB, 5 kept)."),
+    allowed_origins: List[str] = typer.Option(
+        [], "--allowed-origins", help="A web origin (e.g. http://localhost:3000) whose pages "
+        "may call the API from a browser (CORS); repeatable; '*' for any. Default: none. "
+        "The API key is still required of their requests."),
     copy: bool = typer.Option(COPY_DRAFTS, "--copy/--no-copy",
                               help="Copy drafts: verify what followed an earlier occurrence of "
                               "the last tokens when there is one."),
@@ -137,6 +146,8 @@ def serve(
     from ..default_pair import DEFAULT_TARGET_NAME
 
     tree_size, split = parse_tree(tree), parse_split(split)
+    if log_level.upper() not in LOG_LEVELS:
+        fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     budget = _size("--model-memory", model_memory)
     cache = CacheSettings(_size("--cache-memory", cache_memory), cache_dir,
                           _size("--cache-disk", cache_disk))
@@ -159,13 +170,13 @@ def serve(
         server_app = create_app(models=served, model_memory=budget, cache=cache,
                                 api_key=api_key, copy_drafts=copy, max_batch=max_batch,
                                 tree=tree_size, max_tokens_cap=max_tokens,
-                                default_temperature=temp)
+                                default_temperature=temp, allowed_origins=allowed_origins)
     except ValueError as e:
         fail(str(e))
     if not distributed.is_root():  # rank 0 serves; this rank runs its engine steps
         _follow(server_app.state.worker)
         return
-    _log_to_stderr(log_level)
+    _configure_logs(log_level, log_file)
     names = ", ".join(f"'{s.name}'" for s in served)
     typer.secho(f"Serving {names} at http://{host}:{port}/v1"
                 + (" (API key required)" if api_key else ""), fg=typer.colors.CYAN, err=True)
@@ -174,14 +185,29 @@ def serve(
                 timeout_graceful_shutdown=5)
 
 
-def _log_to_stderr(level: str) -> None:
-    """The package's own log lines (one per request, model loads) beside uvicorn's."""
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _configure_logs(level: str, log_file: Path | None) -> None:
+    """The package's own log lines (one per request, model loads and unloads, fallbacks)
+    beside uvicorn's on stderr, and with ``log_file`` in a rotated file too."""
+    from logging.handlers import RotatingFileHandler
+
     logger = logging.getLogger("mlx_dflash")
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
         logger.addHandler(handler)
     logger.setLevel(level.upper())
+    if log_file is not None:
+        try:
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            to_file = RotatingFileHandler(log_file, maxBytes=10 << 20, backupCount=5)
+        except OSError as e:
+            fail(f"--log-file {log_file}: {e.strerror or e}")
+        to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: "
+                                               "%(message)s"))
+        logger.addHandler(to_file)
 
 
 def _across_machines(budget: int | None, cache: Any) -> None:

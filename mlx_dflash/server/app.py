@@ -10,11 +10,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Sequence
 
 import mlx.core as mx
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from .. import __version__
 from ..grammar import Grammar, GrammarError, Matcher
@@ -23,6 +25,7 @@ from ..target import as_target
 from .anthropic import CountTokensRequest, MessageShaper, MessagesRequest
 from .auth import APIKeyMiddleware
 from .chat import Shaper
+from .metrics import Metrics
 from .errors import APIError, error_response, install_handlers
 from .models import (
     DEFAULT_CONTEXT,  # noqa: F401  (re-exported)
@@ -62,6 +65,7 @@ def create_app(
     copy_drafts: bool = COPY_DRAFTS,
     max_batch: int = 8,
     tree: int | str | None = None,
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
     """An app serving ``model`` (with ``drafter``; None: the target alone) as ``model_name``,
     or several ``models`` by name (the first is the default; at most ``model_memory`` bytes of
@@ -71,7 +75,8 @@ def create_app(
     ``default_max_tokens``: a reply's limit when a request names none (None: until the
     context ends); ``max_tokens_cap``: no reply longer than that, whatever a request asks;
     ``default_temperature``: for requests that name none (None: each API's own default, 1.0;
-    agents send none)."""
+    agents send none). ``allowed_origins``: web pages that may call the API from a browser
+    (CORS; none by default; the API key, if any, is still required of their requests)."""
     if models is None:
         if model_name is None:
             raise ValueError("model_name is required with a single model")
@@ -94,6 +99,21 @@ def create_app(
     install_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if allowed_origins:  # outermost: a preflight is answered before the key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"])
+
+    def server_state() -> dict[str, Any]:
+        models = {}
+        for m in pool.models.values():
+            cache = m.prefix_cache
+            tiers = {} if cache is None else {"memory": cache.nbytes} | (
+                {"disk": cache.disk.nbytes()} if cache.disk is not None else {})
+            models[m.name] = {"loaded": m.loaded, "drafter": m.drafter is not None,
+                              "context": m.context, "prefix_cache": tiers}
+        return {"running": worker.running, "waiting": worker.waiting, "models": models}
+
+    metrics = worker.metrics = Metrics(server_state)
     app.state.worker = worker
     app.state.pool = pool
     app.state.model_name = pool.default
@@ -162,6 +182,7 @@ def create_app(
                            checkpoints=model.checkpoints, param=param)
 
     async def respond(job: Job, shaper: Any, stream: bool, request: Request) -> Response:
+        job.endpoint = request.url.path
         worker.submit(job)
         if stream:
             return StreamingResponse(stream_events(job, shaper, request),
@@ -184,6 +205,17 @@ def create_app(
                            "peak": mx.get_peak_memory()},
                 "prefix_cache": {m.name: m.prefix_cache.nbytes for m in pool.models.values()
                                  if m.prefix_cache is not None}}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        """Prometheus' text format (metrics.py): nothing secret, so no key is asked for."""
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/stats")
+    async def stats() -> dict[str, Any]:
+        """What /metrics shows, as JSON (the counters, and the state they are read with)."""
+        return {"uptime_s": time.time() - metrics.started, **metrics.refresh(),
+                "totals": metrics.totals()}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

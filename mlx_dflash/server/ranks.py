@@ -30,6 +30,10 @@ class LeadingEngine:
         return self.engine.idle
 
     @property
+    def last_pass(self) -> tuple[int, int] | None:
+        return self.engine.last_pass
+
+    @property
     def running_ids(self) -> list[int]:
         return self.engine.running_ids
 

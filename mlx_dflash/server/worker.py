@@ -22,6 +22,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from ..policy import COPY_DRAFTS
 from ..target import as_target
 from .models import ModelPool
 from .ranks import LeadingEngine, send
+from .metrics import Metrics
 from .stops import StopMatcher
 
 log = logging.getLogger("mlx_dflash.server")
@@ -91,6 +93,9 @@ class Job:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     grammar: Grammar | None = None  # structured output (structured.py)
+    endpoint: str = ""  # the API path it came from (for the metrics)
+    arrived: float = field(default_factory=time.monotonic)
+    first_token_s: float | None = None  # seconds from arrival to its first token
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # None: the client left
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -121,6 +126,7 @@ class Engine(Protocol):
     idle: bool
     running_ids: list[int]  # requests that would fail with a failing step
     waiting_ids: list[int]  # queued requests a failing step leaves untouched
+    last_pass: tuple[int, int] | None  # (rows, tokens a row) of the last batched pass
 
     def submit(self, prompt: Sequence[int], **sampling: Any) -> int: ...
     def step(self) -> list[tuple[int, GenerationResponse]]: ...
@@ -157,6 +163,8 @@ class BatchedEngine(BatchEngine):
 class SequentialEngine:
     """One request at a time through ``stream_generate`` (through the model's prefix cache
     when it has one), in arrival order: for targets the batch engine cannot hold."""
+
+    last_pass = None  # one request at a time: no batched pass
 
     def __init__(self, served: Any, copy_drafts: bool, tree: int | str | None = None):
         self.served, self.copy_drafts, self.tree = served, copy_drafts, tree
@@ -279,6 +287,7 @@ class ModelWorker:
         # Across machines (ranks.py): what the other ranks are told before each engine step.
         self._outbox: list | None = [] if distributed.group() is not None else None
         self.running = self.waiting = 0  # jobs decoding / queued (read by /health)
+        self.metrics: Metrics | None = None  # set by the app (metrics.py)
         _live_workers.add(self)
 
     @property
@@ -354,13 +363,19 @@ class ModelWorker:
             self._backlog.append(job)
             block = False
 
+    def _ended(self, job: Job, outcome: str, stats: Any = None) -> None:
+        job.outcome = outcome
+        if self.metrics is not None:
+            self.metrics.finished(job.model or self.pool.default, job.endpoint, outcome, stats,
+                                  job.first_token_s)
+
     def _drop_cancelled(self) -> None:
         for job in [j for j in self._backlog if j.cancelled.is_set()]:
-            job.outcome = "cancelled"
+            self._ended(job, "cancelled")
             self._backlog.remove(job)
         for request_id, active in list(self._active.items()):
             if active.job.cancelled.is_set():
-                active.job.outcome = "cancelled"
+                self._ended(active.job, "cancelled")
                 if self._engine is not None:
                     self._engine.cancel(request_id)
                 del self._active[request_id]
@@ -438,6 +453,8 @@ class ModelWorker:
             if self._outbox is not None:  # across machines the ranks may part here: stop
                 raise _RanksParted(e) from e
             return
+        if self.metrics is not None and engine.last_pass is not None:
+            self.metrics.step(self._model or self.pool.default, *engine.last_pass)
         for request_id, response in responses:
             if (active := self._active.get(request_id)) is not None:
                 self._deliver(request_id, active, response)
@@ -452,6 +469,8 @@ class ModelWorker:
         if not active.started:
             active.started = True
             job.push(Started(response.stats.prompt_tokens, response.stats.cached_tokens))
+        if job.first_token_s is None and response.tokens:
+            job.first_token_s = time.monotonic() - job.arrived
         text, hit = active.stops.feed(response.text)
         if text:
             job.push(Delta(text))
@@ -463,7 +482,7 @@ class ModelWorker:
         if hit:
             self._engine.cancel(request_id)  # it leaves (and stores its caches) next step
         del self._active[request_id]
-        job.outcome = "done"
+        self._ended(job, "done", response.stats)
         done = _done(reason, response.stats, len(job.prompt), active.stops.matched)
         log.info("'%s': %d prompt tokens (%d cached), %d generated, %.1f tokens/s, mean "
                  "acceptance %.2f, finish %s", job.model or self.pool.default,
@@ -479,7 +498,7 @@ class ModelWorker:
         self.waiting = len(self._active) - running + len(self._backlog) + self._jobs.qsize()
 
     def _fail(self, job: Job, error: BaseException | str) -> None:
-        job.outcome = "failed"
+        self._ended(job, "failed")
         job.push(Failed(error if isinstance(error, str) else f"{type(error).__name__}: {error}"))
 
     def _fail_all(self, message: str) -> None:
