@@ -484,7 +484,7 @@ class BatchEngine:
             for r in self.running:
                 plans.append(r.policy.choose(r.room, r.context, may_look_up=r.look_up))
                 r.look_up = bool(plans[-1][0] or r.room <= 0
-                                 or r.policy.finds_lookup(r.context))
+                                 or r.policy.finds_lookup(r.room, r.context))
             return plans
         for r in self.running:
             r.look_up = True

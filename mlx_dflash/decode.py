@@ -301,7 +301,7 @@ def stream_generate(
             cycle.start()
             pending = None
             if (cycle.num_drafts == 0 and done + 1 < max_tokens and matcher is None
-                    and not policy.finds_lookup(context)):
+                    and not policy.finds_lookup(max_tokens - done - 1, context)):
                 # A plain cycle commits exactly one token, known lazily: build the next cycle
                 # from it now, as mlx-lm does (lookups wait for a synced cycle).
                 spec.feed(cycle)

@@ -34,6 +34,7 @@ COPY_LONGEST = 4
 # copies from code and math prompts mostly survive.
 COPY_SCORE = 0.9
 LOOKUP_DECAY = 0.1  # a lookup's survival follows the last ~10 blocks judged (the text changes)
+LOOKUP_PRIOR = 1.0  # ... its prior score weighing as one of them
 
 
 @dataclass
@@ -80,7 +81,8 @@ class BlockPolicy:
         self.width, self.copy_index = width, copy_index
         self.ngram_table, self.scheduler = ngram_table, scheduler
         self.tree_sizer = tree_sizer  # trees sized per cycle (tree="auto")
-        self.calibration = {COPY: Calibration(LOOKUP_DECAY), NGRAM: Calibration(LOOKUP_DECAY)}
+        self.calibration = {source: Calibration(LOOKUP_DECAY, LOOKUP_PRIOR)
+                            for source in (COPY, NGRAM)}
         self.watch: Watch | None = None  # the block being checked against committed tokens
         self.looked: Lookup | None = None  # the last block looked up
 
@@ -153,9 +155,10 @@ class BlockPolicy:
         found = self.copy_index.lookup_branches(len(block)) if self.copy_index else []
         return found if found and found[0] == block else [block]
 
-    def finds_lookup(self, context: int) -> bool:
-        """Whether a lookup would find a block now."""
-        return bool(self.lookup(1, context, watch=False)[0])
+    def finds_lookup(self, room: int, context: int) -> bool:
+        """Whether a cycle planned now with ``room`` would verify a looked-up block (a
+        pipelined plain cycle was planned without looking: the next one should look)."""
+        return bool(self.lookup(room, context, watch=False)[0])
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Committed tokens (the copy index learns them)."""

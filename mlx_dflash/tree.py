@@ -240,22 +240,22 @@ def target_choices(logits: mx.array, params: SamplingParams, position: int = 0,
 class Calibration:
     """A drafter's survival scores (in [0, 1]) corrected by what this request's verify passes
     showed: the share of scores in the same bucket that survived, the score itself weighing as
-    ``PRIOR`` observations (so a score is taken as it is until the request says otherwise: a
+    ``prior`` observations (so a score is taken as it is until the request says otherwise: a
     drafter calibrated on its training text can be far off on other text). ``decay``: each
     observation first discounts the earlier ones by that share (recent text weighs most)."""
 
     EDGES = np.array([1e-3, 1e-2, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9])
     PRIOR = 4.0
 
-    def __init__(self, decay: float = 0.0) -> None:
+    def __init__(self, decay: float = 0.0, prior: float = PRIOR) -> None:
         self.hits = np.zeros(len(self.EDGES) + 1)
         self.tries = np.zeros(len(self.EDGES) + 1)
-        self.keep = 1.0 - decay
+        self.keep, self.prior = 1.0 - decay, prior
 
     def __call__(self, scores: np.ndarray) -> np.ndarray:
         scores = np.asarray(scores, dtype=np.float64)
         b = np.searchsorted(self.EDGES, scores)
-        return (self.hits[b] + self.PRIOR * scores) / (self.tries[b] + self.PRIOR)
+        return (self.hits[b] + self.prior * scores) / (self.tries[b] + self.prior)
 
     def observe(self, scores: np.ndarray, survived: np.ndarray) -> None:
         b = np.searchsorted(self.EDGES, np.asarray(scores, dtype=np.float64))
