@@ -319,9 +319,8 @@ class BatchEngine:
         masks: list[mx.array | None] = [None] * len(proposals)
         for i, (r, p, (_, block, _)) in enumerate(zip(self.running, proposals, plans)):
             if r.matcher is not None and p is not None:
-                sampled = not block and not r.params.greedy and r.params.noise is None
                 proposals[i], masks[i] = constrain_proposal(
-                    r.matcher, p, min(self.width - 1, r.room), r.params, sampled)
+                    r.matcher, p, min(self.width - 1, r.room), r.params, bool(block))
         return proposals, masks
 
     def _constrain_trees(self, trees: dict[int, LazyTree], scores: dict[int, list[float]],

@@ -168,8 +168,8 @@ class Speculator:
         proposal = self.draft(anchor, num_drafts, looked_up)
         if self.matcher is None:
             return self.verify(anchor, proposal, source, position)
-        sampled = not looked_up and not self.params.greedy and self.params.noise is None
-        proposal, masks = constrain_proposal(self.matcher, proposal, room, self.params, sampled)
+        proposal, masks = constrain_proposal(self.matcher, proposal, room, self.params,
+                                             bool(looked_up))
         return self.verify(anchor, proposal, source, position, masks)
 
     def draft(self, anchor: mx.array, num_drafts: int, looked_up: Sequence[int] = ()

@@ -213,19 +213,20 @@ def apply_masks(logits: mx.array, masks: mx.array | None) -> mx.array:
 
 
 def constrain_proposal(matcher: Matcher, proposal: Any, room: int, params: Any,
-                       sampled: bool) -> tuple[Any, mx.array]:
+                       looked_up: bool) -> tuple[Any, mx.array]:
     """A cycle's proposal kept to the grammar (:meth:`Matcher.constrain`) and the masks of
-    the target pass's rows [K' + 1, V]. ``sampled``: the drafts were drawn from
-    ``proposal.probs`` (the drafter's, by rejection sampling): a forbidden one is drawn again
-    from that distribution restricted to what the grammar allows, and the proposal handed on
-    is that restricted distribution (forced positions: a point mass). Looked-up blocks and
-    greedy or seeded drafts are cut at the first forbidden token instead."""
+    the target pass's rows [K' + 1, V]. Drafts drawn from ``proposal.probs`` (the drafter's,
+    verified by rejection sampling): a forbidden one is drawn again from that distribution
+    restricted to what the grammar allows, and the proposal handed on is that restricted
+    distribution (forced positions: a point mass). Looked-up blocks and greedy or seeded
+    drafts are cut at the first forbidden token instead."""
     from .accept import point_mass
     from .drafters.base import Proposal
 
     block = proposal.drafts.tolist()  # the drafter's pass runs here: the host reads its block
     dense = None
     redraw = None
+    sampled = not looked_up and not params.greedy and params.noise is None
     if sampled and proposal.probs is not None:
         dense = as_dense(proposal.probs, matcher.vocab_size)
 

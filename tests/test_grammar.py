@@ -223,7 +223,7 @@ def test_sampled_drafts_are_drawn_from_the_masked_drafter():
                          mx.array([[a, c], [c, x], [y, z]]), mx.array([[0.25, 0.75],
                                                                        [1.0, 0.0],
                                                                        [0.5, 0.5]])))):
-        kept, masks = constrain_proposal(m, proposal, 3, params, sampled=True)
+        kept, masks = constrain_proposal(m, proposal, 3, params, looked_up=False)
         assert kept.drafts.tolist() == [a, x, y]
         q = np.array(kept.probs)
         assert q[0, a] == pytest.approx(1.0) and q[1, x] == 1.0
