@@ -305,7 +305,7 @@ class BatchEngine:
             kept.append(cycle.kept if isinstance(cycle, TreeCycle) else list(range(accepted + 1)))
             r.anchor = cycle.next_tokens[accepted : accepted + 1]
             r.stats.record(cycle, accepted)
-            self._commit(r, tokens, accepted, responses)
+            self._commit(r, tokens, accepted, responses, cycle.origins(accepted))
         if trees:
             self.cache.commit_rows(kept)
         else:
@@ -495,9 +495,10 @@ class BatchEngine:
         return [(K, f.tokens[:K], f.source) if f is not None and K
                 else (K, [], DRAFTER if K else PLAIN) for K, f in zip(counts, looked)]
 
-    def _commit(self, r: _Request, tokens: list[int], accepted: int, responses: list) -> None:
+    def _commit(self, r: _Request, tokens: list[int], accepted: int, responses: list,
+                origins: list[str] | None = None) -> None:
         r.spec.hold(tokens)  # before the cut: the caches hold them all the same
-        tokens, reason = r.text.commit(tokens)
+        tokens, reason = r.text.commit(tokens, origins)
         if reason is None:
             r.policy.extend(tokens)
         else:

@@ -28,6 +28,7 @@ DEFAULT_PREFILL_STEP = 2048
 
 # Where a cycle's drafts came from.
 DRAFTER, COPY, NGRAM, PLAIN, TREE = "drafter", "copy", "ngram", "plain", "tree"
+TARGET, FORCED = "target", "forced"  # how a committed token came, besides a draft's source
 
 
 
@@ -55,6 +56,12 @@ class Cycle:
         values = self.packed.tolist()  # the one host sync of the cycle
         a, K = values[0], self.num_drafts
         return a, values[1 : 1 + a] + [values[1 + K + a]]
+
+    def origins(self, accepted: int) -> list[str]:
+        """How each committed token came: the accepted drafts' source (FORCED where a grammar
+        admitted it alone), then the target's own choice."""
+        forced = self.forced + (False,) * (accepted - len(self.forced))
+        return [FORCED if f else self.source for f in forced[:accepted]] + [TARGET]
 
 
 @dataclass

@@ -24,6 +24,7 @@ from .cycle import (
     DEFAULT_PREFILL_STEP,
     DRAFTER,
     NGRAM,
+    TARGET,
     TREE,
     Cycle,
     Speculator,
@@ -110,6 +111,8 @@ class GenerationResponse:
     accepted: int  # drafted tokens accepted in this cycle
     stats: GenerationStats
     finish_reason: str | None = None  # "stop" | "length" on the last response
+    # ``text`` in runs of (how its tokens came: a draft source, "forced" or "target", text)
+    pieces: list[tuple[str, str]] = field(default_factory=list)
 
     # mlx-lm style accessors for the run statistics.
     @property
@@ -149,10 +152,13 @@ class TextStream:
             self.detokenizer = copy.copy(self.detokenizer)
         self.detokenizer.reset()
         self.stats, self.max_tokens = stats, max_tokens
+        self.pieces: list[tuple[str, str]] = []  # the last commit's text, by origin
         self.tic = time.perf_counter()
 
-    def commit(self, tokens: list[int]) -> tuple[list[int], str | None]:
-        """The tokens up to a stop token or ``max_tokens``, and why generation ends (or None)."""
+    def commit(self, tokens: list[int], origins: list[str] | None = None
+               ) -> tuple[list[int], str | None]:
+        """The tokens up to a stop token or ``max_tokens``, and why generation ends (or None).
+        ``origins``: how each token came (Cycle.origins; None: all the target's)."""
         reason = None
         for i, tok in enumerate(tokens):
             if tok in self.stop_ids:
@@ -161,8 +167,15 @@ class TextStream:
         room = self.max_tokens - self.stats.generation_tokens
         if len(tokens) >= room and reason is None:
             tokens, reason = tokens[:room], "length"
-        for tok in tokens:
-            self.detokenizer.add_token(tok)
+        origins = origins or [TARGET] * len(tokens)
+        self.pieces = []
+        start = 0
+        for end in range(1, len(tokens) + 1):  # the text of each run of one origin
+            if end == len(tokens) or origins[end] != origins[start]:
+                for tok in tokens[start:end]:
+                    self.detokenizer.add_token(tok)
+                self.pieces.append((origins[start], self.detokenizer.last_segment))
+                start = end
         stats = self.stats
         stats.generation_tokens += len(tokens) + (reason == "stop")
         stats.generation_tps = stats.generation_tokens / max(time.perf_counter() - self.tic, 1e-9)
@@ -170,11 +183,14 @@ class TextStream:
 
     def response(self, tokens: list[int], accepted: int,
                  reason: str | None = None) -> GenerationResponse:
+        pieces = [p for p in self.pieces if p[1]]
         if reason is not None:
             self.detokenizer.finalize()
             self.stats.peak_memory = mx.get_peak_memory() / 1e9
-        return GenerationResponse(self.detokenizer.last_segment, tokens, accepted, self.stats,
-                                  reason)
+            if tail := self.detokenizer.last_segment:
+                pieces.append((pieces[-1][0] if pieces else TARGET, tail))
+        return GenerationResponse("".join(text for _, text in pieces), tokens, accepted,
+                                  self.stats, reason, pieces)
 
 
 def _check_request(model: Any, drafter: Drafter | None, tokenizer: Any, max_tokens: int,
@@ -286,9 +302,10 @@ def stream_generate(
         stats.prompt_tps = stats.prefilled_tokens / (time.perf_counter() - tic)
         out.tic = time.perf_counter()
         accepted, pending = 0, None  # pending: the next cycle, started ahead
+        origins = [TARGET]
         while True:
             spec.hold(new_tokens)  # before the cut: the caches hold them all the same
-            new_tokens, reason = out.commit(new_tokens)
+            new_tokens, reason = out.commit(new_tokens, origins)
             if reason is not None:
                 spec.close(pending)
                 yield out.response(new_tokens, accepted, reason)
@@ -314,6 +331,7 @@ def stream_generate(
                 spec.abandon()
                 raise
             accepted, new_tokens = cycle.resolve()
+            origins = cycle.origins(accepted)
             policy.observe(cycle, accepted)
             spec.settle(cycle, accepted, fed=pending is not None)
             anchor = cycle.next_tokens[accepted : accepted + 1]

@@ -180,6 +180,7 @@ def serve(
     names = ", ".join(f"'{s.name}'" for s in served)
     typer.secho(f"Serving {names} at http://{host}:{port}/v1"
                 + (" (API key required)" if api_key else ""), fg=typer.colors.CYAN, err=True)
+    typer.secho(f"Dashboard: http://{host}:{port}/dashboard", fg=typer.colors.CYAN, err=True)
     # A bounded graceful shutdown: on Ctrl-C, open streams get 5 s, then they are cancelled.
     uvicorn.run(server_app, host=host, port=port, log_level=log_level,
                 timeout_graceful_shutdown=5)

@@ -25,6 +25,7 @@ from ..target import as_target
 from .anthropic import CountTokensRequest, MessageShaper, MessagesRequest
 from .auth import APIKeyMiddleware
 from .chat import Shaper
+from .dashboard import add_dashboard, drafter_name
 from .metrics import Metrics
 from .errors import APIError, error_response, install_handlers
 from .models import (
@@ -109,9 +110,12 @@ def create_app(
             cache = m.prefix_cache
             tiers = {} if cache is None else {"memory": cache.nbytes} | (
                 {"disk": cache.disk.nbytes()} if cache.disk is not None else {})
-            models[m.name] = {"loaded": m.loaded, "drafter": m.drafter is not None,
-                              "context": m.context, "prefix_cache": tiers}
-        return {"running": worker.running, "waiting": worker.waiting, "models": models}
+            models[m.name] = {"loaded": m.loaded, "drafter": drafter_name(m.drafter),
+                              "block_size": m.block_size, "context": m.context,
+                              "weights_bytes": m.nbytes, "prefix_cache": tiers,
+                              "decoding": worker.running > 0 and worker.serving == m.name}
+        return {"running": worker.running, "waiting": worker.waiting, "models": models,
+                "last_pass": worker.last_pass}
 
     metrics = worker.metrics = Metrics(server_state)
     app.state.worker = worker
@@ -194,7 +198,9 @@ def create_app(
     async def root() -> dict[str, Any]:
         # Agents (Claude Code) probe the base URL before their first request.
         return {"object": "server", "name": "mlx-dflash", "version": __version__,
-                "models": pool.names}
+                "models": pool.names, "dashboard": "/dashboard"}
+
+    add_dashboard(app)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -214,8 +220,10 @@ def create_app(
     @app.get("/v1/stats")
     async def stats() -> dict[str, Any]:
         """What /metrics shows, as JSON (the counters, and the state they are read with)."""
-        return {"uptime_s": time.time() - metrics.started, **metrics.refresh(),
-                "totals": metrics.totals()}
+        metrics.sample()
+        return {"version": __version__, "uptime_s": time.time() - metrics.started,
+                **metrics.refresh(), "totals": metrics.totals(), "requests": worker.requests(),
+                "history": list(metrics.history)}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -235,6 +243,7 @@ def create_app(
         requested, name = body.requested_max_tokens()
         job = make_job(body, model, prompt, "messages", requested, name,
                        grammar=grammar or prompt.grammar)
+        job.origins = body.stream and body.token_origins
         shaper = Shaper(True, model.name, body.include_usage,
                         Reply(model.tokenizer, prompt.ids, prompt.tools))
         return await respond(job, shaper, body.stream, request)
@@ -325,6 +334,9 @@ async def stream_events(job: Job, shaper: Any, request: Request) -> AsyncIterato
             elif isinstance(event, Delta):
                 for out in shaper.delta(event.text):
                     yield out
+                if event.pieces is not None:  # asked for by chat requests only (token_origins)
+                    for out in shaper.origins(event.pieces):
+                        yield out
             elif isinstance(event, Done):
                 for out in shaper.close(event):
                     yield out

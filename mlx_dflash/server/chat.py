@@ -76,6 +76,14 @@ class Shaper:
         pieces = self.reply.feed(text) if self.reply is not None else [("text", text)]
         return self._pieces(pieces)
 
+    def origins(self, pieces: list[tuple[str, str]]) -> list[str]:
+        """An mlx-dflash chunk (asked for with ``token_origins``): the raw text just generated,
+        in runs of how it came: a draft source ("drafter", "copy", "ngram", "tree"),
+        "forced" (a grammar's only choice) or "target" (the target's own)."""
+        body = self._base("chat.completion.chunk")
+        body.update(choices=[], origins=[list(p) for p in pieces])
+        return [sse(body)]
+
     def close(self, done: Done) -> list[str]:
         out, calls = [], []
         if self.reply is not None:

@@ -11,6 +11,7 @@ scraped.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -23,6 +24,7 @@ RATE_BUCKETS = (1, 2, 5, 10, 15, 20, 30, 50, 75, 100, 150, 250)
 SECOND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 CYCLE_BUCKETS = (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 16)
 ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+HISTORY_S = 600  # the dashboard's charts: the last ten minutes, a sample a second at most
 
 
 class Metrics:
@@ -31,6 +33,10 @@ class Metrics:
     def __init__(self, read_state: Callable[[], dict[str, Any]]):
         self.read_state = read_state  # running/waiting, models, caches: read when scraped
         self.started = time.time()
+        # Tokens committed and target passes (one a request a cycle) and accepted drafts so
+        # far, as they happen (the counters below move when a request ends): the live charts.
+        self.tokens = self.passes = self.drafts_accepted = 0
+        self.history: deque[tuple[float, int, int, int]] = deque(maxlen=HISTORY_S)
         r = self.registry = CollectorRegistry()
         model = ["model"]
         self.requests = Counter("mlx_dflash_requests", "Requests ended, by endpoint and outcome "
@@ -95,6 +101,18 @@ class Metrics:
             self.decode_rate.labels(model).observe(stats.generation_tps)
         if stats.cycles:
             self.per_cycle.labels(model).observe(stats.mean_acceptance_length)
+
+    def progress(self, tokens: int, accepted: int) -> None:
+        """One request's cycle committed ``tokens`` (``accepted`` of them drafts)."""
+        self.tokens += tokens
+        self.passes += 1
+        self.drafts_accepted += accepted
+
+    def sample(self, min_gap_s: float = 1.0) -> None:
+        """Note the live totals for the charts, at most one sample per ``min_gap_s``."""
+        now = time.time()
+        if not self.history or now - self.history[-1][0] >= min_gap_s:
+            self.history.append((round(now, 3), self.tokens, self.passes, self.drafts_accepted))
 
     def step(self, model: str, rows: int, width: int) -> None:
         """One batched verify pass of ``rows`` requests, ``width`` tokens a row."""

@@ -187,6 +187,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: Optional[list[ToolSpec]] = None  # into the chat template; calls come back parsed
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     chat_template_kwargs: Optional[dict] = None  # e.g. {"enable_thinking": false}
+    # mlx-dflash: streamed chunks also say how each piece of text came (Shaper.origins)
+    token_origins: bool = False
 
     def choice(self) -> str:
         """tool_choice as prompts.chat_prompt reads it."""

@@ -6,6 +6,8 @@ stop string split across two decode cycles is still caught and never reaches the
 
 from __future__ import annotations
 
+from collections import deque
+
 
 class StopMatcher:
     def __init__(self, stops: list[str]):
@@ -41,3 +43,25 @@ class StopMatcher:
                     best = n
                     break
         return best
+
+
+class Origins:
+    """How streamed text came (runs of (origin, text): GenerationResponse.pieces), cut as the
+    stop matcher cuts the text: ``take(text)`` gives the runs of the text it let out."""
+
+    def __init__(self) -> None:
+        self._runs: deque[tuple[str, str]] = deque()
+
+    def feed(self, pieces: list[tuple[str, str]]) -> None:
+        self._runs.extend(pieces)
+
+    def take(self, text: str) -> list[tuple[str, str]]:
+        out, need = [], len(text)
+        while need and self._runs:
+            origin, run = self._runs.popleft()
+            if len(run) > need:
+                self._runs.appendleft((origin, run[need:]))
+                run = run[:need]
+            out.append((origin, run))
+            need -= len(run)
+        return out

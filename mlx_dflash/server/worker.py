@@ -39,7 +39,7 @@ from ..target import as_target
 from .models import ModelPool
 from .ranks import LeadingEngine, send
 from .metrics import Metrics
-from .stops import StopMatcher
+from .stops import Origins, StopMatcher
 
 log = logging.getLogger("mlx_dflash.server")
 
@@ -54,9 +54,10 @@ class Started:
 
 @dataclass
 class Delta:
-    """A new piece of text."""
+    """A new piece of text; with ``Job.origins``, the same text in runs of how it came."""
 
     text: str
+    pieces: list[tuple[str, str]] | None = None
 
 
 @dataclass
@@ -94,6 +95,8 @@ class Job:
     stop: list[str] = field(default_factory=list)
     grammar: Grammar | None = None  # structured output (structured.py)
     endpoint: str = ""  # the API path it came from (for the metrics)
+    origins: bool = False  # stream each text's origins (drafted, copied, the target's own)
+    id: int = field(default_factory=lambda: next(_job_ids))  # for the dashboard's views
     arrived: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None  # seconds from arrival to its first token
     loop: asyncio.AbstractEventLoop | None = None
@@ -265,6 +268,8 @@ class _Active:
     job: Job
     stops: StopMatcher
     started: bool = False
+    stats: Any = None  # its GenerationStats, from its first response on
+    origins: Origins | None = None
 
 
 class ModelWorker:
@@ -293,6 +298,17 @@ class ModelWorker:
     @property
     def pending(self) -> int:
         return self.running + self.waiting
+
+    @property
+    def serving(self) -> str | None:
+        """The model whose engine runs now (None: none has one)."""
+        return None if self._engine is None else (self._model or self.pool.default)
+
+    @property
+    def last_pass(self) -> tuple[int, int] | None:
+        """(rows, tokens a row) of the engine's last batched verify pass."""
+        engine = self._engine
+        return None if engine is None else engine.last_pass
 
     def start(self) -> None:
         with self._lock:
@@ -406,7 +422,8 @@ class ModelWorker:
                 self._fail(job, e)
                 continue
             self._engine.watch(request_id, job.cancelled)
-            self._active[request_id] = _Active(job, StopMatcher(job.stop))
+            self._active[request_id] = _Active(job, StopMatcher(job.stop),
+                                               origins=Origins() if job.origins else None)
 
     def _make_engine(self, model: str | None) -> Engine:
         if self._outbox is None:
@@ -458,6 +475,8 @@ class ModelWorker:
         for request_id, response in responses:
             if (active := self._active.get(request_id)) is not None:
                 self._deliver(request_id, active, response)
+        if self.metrics is not None:
+            self.metrics.sample()
         for request_id, active in self._active.items():
             # Said as soon as the prefill begins: streams open (and ping) while a long one runs.
             if not active.started and (counts := engine.prompt_started(request_id)):
@@ -471,14 +490,19 @@ class ModelWorker:
             job.push(Started(response.stats.prompt_tokens, response.stats.cached_tokens))
         if job.first_token_s is None and response.tokens:
             job.first_token_s = time.monotonic() - job.arrived
+        active.stats = response.stats
+        if self.metrics is not None:
+            self.metrics.progress(len(response.tokens), response.accepted)
+        if active.origins is not None:
+            active.origins.feed(response.pieces)
         text, hit = active.stops.feed(response.text)
         if text:
-            job.push(Delta(text))
+            job.push(self._delta(active, text))
         reason = "stop" if hit else response.finish_reason
         if reason is None:
             return
         if not hit and (tail := active.stops.flush()):
-            job.push(Delta(tail))
+            job.push(self._delta(active, tail))
         if hit:
             self._engine.cancel(request_id)  # it leaves (and stores its caches) next step
         del self._active[request_id]
@@ -490,6 +514,21 @@ class ModelWorker:
                  done.dflash.get("tokens_per_second", 0.0),
                  done.dflash.get("mean_acceptance_length", 0.0), reason)
         job.push(done)
+
+    @staticmethod
+    def _delta(active: _Active, text: str) -> Delta:
+        origins = active.origins
+        return Delta(text, None if origins is None else origins.take(text))
+
+    def requests(self) -> list[dict[str, Any]]:
+        """The jobs running and waiting, for the dashboard (read from another thread: a
+        snapshot of the worker's lists; figures as of each job's last cycle)."""
+        now, out = time.monotonic(), []
+        for active in list(self._active.values()):
+            stats, job = active.stats, active.job
+            out.append(_request_view(job, now, "running" if stats else "prefill", stats))
+        out += [_request_view(job, now, "waiting") for job in list(self._backlog)]
+        return out
 
     def _count(self) -> None:
         engine = self._engine
@@ -516,6 +555,19 @@ class ModelWorker:
                 job.push(Failed(message))
         self._engine = self._model = None
         self.running = self.waiting = 0
+
+
+def _request_view(job: Job, now: float, state: str, stats: Any = None) -> dict[str, Any]:
+    view = {"id": job.id, "model": job.model, "endpoint": job.endpoint, "state": state,
+            "prompt_tokens": len(job.prompt), "age_s": round(now - job.arrived, 2),
+            "max_tokens": job.max_tokens, "structured": job.grammar is not None}
+    if stats is not None:
+        view.update(cached_tokens=stats.cached_tokens, generated=stats.generation_tokens,
+                    tokens_per_second=round(stats.generation_tps, 2),
+                    mean_acceptance=round(stats.mean_acceptance_length, 3),
+                    cycles=stats.cycles, last_drafts=(stats.draft_lengths or [0])[-1],
+                    by_source={k: v[1] for k, v in stats.by_source.items()})
+    return view
 
 
 def _done(reason: str, stats: Any, prompt_tokens: int, stop_sequence: str | None) -> Done:
@@ -555,6 +607,7 @@ if sys.platform.startswith("linux"):
         _libc = None
 
 _live_workers: weakref.WeakSet[ModelWorker] = weakref.WeakSet()
+_job_ids = itertools.count(1)
 
 
 @atexit.register
