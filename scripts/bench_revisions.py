@@ -42,6 +42,12 @@ def run(command: list[str], tree: Path, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def relative(command: list[str]) -> list[str]:
+    """The command as it is recorded: paths inside the repo relative to it, shared/ as ../."""
+    return [a.replace(str(ROOT) + "/", "").replace(str(ROOT.parent) + "/", "../")
+            for a in command]
+
+
 def tokens_per_s(result: dict) -> dict[str, float]:
     """'domain/variant' -> tok/s, from an ``mlx-dflash bench`` JSON (else empty)."""
     out = {}
@@ -91,7 +97,7 @@ def main() -> None:
     args.json.write_text(json.dumps({
         "before": before_rev, "after": after_rev + ("+uncommitted" if dirty else ""),
         "rounds": args.rounds, "order": "before then after, each round",
-        "command": command, "summary": summary, "runs": runs}, indent=1))
+        "command": relative(command), "summary": summary, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":
