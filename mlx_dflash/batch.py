@@ -56,6 +56,7 @@ from .drafters import check_fits
 from .drafters.base import (
     Drafter, Proposal, drafting, grow_trees, propose_all, verify_width,
 )
+from .drafters.published import describe
 from .policy import COPY_DRAFTS, COPY_NGRAM, BlockPolicy
 from .prefix_cache import PrefixCache
 from .prompts import encode_prompt
@@ -128,6 +129,7 @@ class BatchEngine:
         if self.width < 1:
             raise ValueError(f"block_size must be >= 1, got {self.width}")
         self.drafter = drafting(drafter, block_size, schedule)
+        self.drafter_label = describe(drafter)
         self.tokenizer = (tokenizer if isinstance(tokenizer, TokenizerWrapper)
                           else TokenizerWrapper(tokenizer))
         self.auto = block_size is None and schedule
@@ -166,7 +168,8 @@ class BatchEngine:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         params = SamplingParams(temperature, top_p, top_k, **seeded(seed))
         tokens = encode_prompt(self.tokenizer, prompt)
-        stats = GenerationStats(prompt_tokens=len(tokens), block_size=self.width)
+        stats = GenerationStats(prompt_tokens=len(tokens), block_size=self.width,
+                                drafter=self.drafter_label)
         matcher = (Matcher(grammar, self.tokenizer, self.target.vocab_size)
                    if grammar is not None else None)
         request = _Request(next(self._ids), tokens, params, max_tokens, stats,

@@ -33,6 +33,7 @@ from .cycle import (
 )
 from .drafters import check_fits
 from .drafters.base import Drafter, drafting, verify_width
+from .drafters.published import describe
 from .pair_cache import PairCache, needs_checkpoints
 from .policy import COPY_DRAFTS, COPY_NGRAM, BlockPolicy
 from .prefix_cache import PrefixCache
@@ -59,6 +60,7 @@ class GenerationStats:
     forced_tokens: int = 0  # committed tokens a grammar admitted alone (grammar.py)
     # source (drafter, copy, ngram, tree) -> [tokens verified after the anchor, accepted]
     by_source: dict[str, list[int]] = field(default_factory=dict)
+    drafter: str = ""  # what drafted (drafters.published.describe)
 
     def record(self, cycle: Cycle, accepted: int) -> None:
         self.acceptance_lengths.append(accepted + 1)
@@ -101,6 +103,7 @@ class GenerationStats:
             f"generated {self.generation_tokens} tok @ {self.generation_tps:.1f} tok/s | "
             f"mean acceptance length {self.mean_acceptance_length:.2f} (block {self.block_size})"
             f" | peak memory {self.peak_memory:.2f} GB"
+            + (f" | drafter: {self.drafter}" if self.drafter else "")
         )
 
 
@@ -258,13 +261,14 @@ def stream_generate(
     caches could not be cut back). ``grammar`` (grammar.Grammar): the reply keeps to it, as
     plain decoding under the grammar's mask would write it (greedy: token for token)."""
     params = SamplingParams(temperature, top_p, top_k, **seeded(seed))
+    label = describe(drafter)
     target, drafter, tokenizer, width = _check_request(model, drafter, tokenizer, max_tokens,
                                                        block_size, schedule)
     if tree is not None:
         check_tree(target, drafter, tree)
     matcher = Matcher(grammar, tokenizer, target.vocab_size) if grammar is not None else None
     tokens = encode_prompt(tokenizer, prompt)
-    stats = GenerationStats(prompt_tokens=len(tokens), block_size=width)
+    stats = GenerationStats(prompt_tokens=len(tokens), block_size=width, drafter=label)
     out = TextStream(tokenizer, stats, max_tokens)
     if max_tokens == 0:
         yield out.response([], 0, "length")

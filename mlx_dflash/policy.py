@@ -77,8 +77,9 @@ class Watch:
 class BlockPolicy:
     def __init__(self, width: int, copy_index: CopyIndex | None = None,
                  ngram_table: NgramTable | None = None, scheduler: Scheduler | None = None,
-                 tree_sizer: TreeSizer | None = None):
+                 tree_sizer: TreeSizer | None = None, drafts: bool = True):
         self.width, self.copy_index = width, copy_index
+        self.drafts = drafts  # False: lookups only (no drafter)
         self.ngram_table, self.scheduler = ngram_table, scheduler
         self.tree_sizer = tree_sizer  # trees sized per cycle (tree="auto")
         self.calibration = {source: Calibration(LOOKUP_DECAY, LOOKUP_PRIOR)
@@ -95,8 +96,14 @@ class BlockPolicy:
         measured on first use (then cached per model pair and machine) as far as the request
         ``reach``-es (its prompt and most tokens); ``size_trees``: a tree sizer too (its pass
         costs measured up to TREE_MAX + 1 tokens)."""
-        if drafter is None:
-            return cls(width)
+        if drafter is None:  # the target alone, or lookups only (LookupDrafts: a wider width)
+            if width == 1 or not copy_drafts:
+                return cls(width, drafts=False)
+            scheduler = (Scheduler(cached_costs(target, None, width, reach), width - 1,
+                                   bytes_per_verified_token(target), drafts=False)
+                         if schedule else None)
+            return cls(width, CopyIndex(list(tokens), copy_ngram, COPY_LONGEST), None,
+                       scheduler, drafts=False)
         scheduler = sizer = None
         if schedule:
             scheduler = Scheduler(cached_costs(target, drafter, width, reach), width - 1,
@@ -115,6 +122,8 @@ class BlockPolicy:
             block, source = self.lookup(K, context)
             if block:
                 return len(block), block, source
+        if not self.drafts:
+            return 0, [], PLAIN
         if self.scheduler is not None:
             K = self.scheduler.choose(K, context)
         return K, [], DRAFTER if K else PLAIN

@@ -164,8 +164,10 @@ def _costs_at(target: Target, drafter: Drafter | None, context: int, max_tokens:
     timed = timed or sizes
     times = best_times(snapshot_passes(target, drafter, context, max_tokens, timed), rounds)
     n = len(timed)
-    verify, (full, *one) = times[:n], times[n:]
-    verify = np.interp(sizes, timed, verify).tolist()
+    verify = np.interp(sizes, timed, times[:n]).tolist()
+    if drafter is None:  # lookups only: no drafter pass
+        return verify, 0.0, 0.0
+    full, *one = times[n:]
     if not one:
         return verify, full, 0.0
     step = max(full - one[0], 0.0) / max(max_tokens - 2, 1)
@@ -195,7 +197,8 @@ def _cache_file(target: Target, drafter: Drafter, max_tokens: int) -> Path:
     # "interleaved": snapshots timed pass after pass (before best_times) are measured anew.
     split = [f"ranks{distributed.group().size()}"] if distributed.group() is not None else []
     key = json.dumps(["propose", "interleaved", target_fingerprint(target),
-                      *drafter.pass_key(), max_tokens, platform.node(),
+                      *(drafter.pass_key() if drafter is not None else ("no drafter",)),
+                      max_tokens, platform.node(),
                       platform.machine(), mx.__version__, str(mx.default_device()),
                       os.environ.get("MLX_DFLASH_FAST_BLAS", "1"), *split], sort_keys=True)
     name = hashlib.sha256(key.encode()).hexdigest()[:20]
@@ -266,7 +269,9 @@ def cached_costs(target: Target, drafter: Drafter, max_tokens: int, reach: int =
                           data.get("draft_step_s", 0.0), data["draft_by_context"])
         if costs.sizes != sizes or costs.contexts[:n] != contexts:
             return None  # measured for another width, or not as far: measured anew
-        times = [t for ctx in contexts for t in costs.verify_s[ctx]] + [costs.draft_s]
+        times = [t for ctx in contexts for t in costs.verify_s[ctx]]
+        if drafter is not None:
+            times.append(costs.draft_s)
         if min(times) <= 0:  # a broken measurement: measured anew
             return None
         return replace(costs, verify_s={c: costs.verify_s[c] for c in contexts},
@@ -347,8 +352,10 @@ class Scheduler:
         probe_every: int = 16,
         reserve_bytes: int = 256 << 20,
         headroom: Any = None,  # a function; default memory_headroom
+        drafts: bool = True,  # False: no drafter (it sizes lookups against plain decoding)
     ):
         self.costs, self.max_drafts = costs, max_drafts
+        self.drafts = drafts
         self.token_bytes, self.reserve_bytes = token_bytes, reserve_bytes
         self.headroom = headroom
         self.probe_every, self.probe_gap = probe_every, probe_every
@@ -376,7 +383,7 @@ class Scheduler:
         a = self.survival()
         verify = self.costs.verify
         best_k, best = 0, 1.0 / verify(1, context)  # plain decoding's tokens per second
-        for k in range(1, limit + 1):
+        for k in range(1, limit + 1 if self.drafts else 1):
             rate = (1.0 + a[:k].sum()) / (self.costs.draft(k, context) + verify(k + 1, context))
             if rate > best:
                 best_k, best = k, rate
@@ -405,7 +412,7 @@ class Scheduler:
 
     def choose(self, room: int, context: int) -> int:
         limit = self.limit(room)
-        if limit <= 0:
+        if limit <= 0 or not self.drafts:
             return 0
         return self.probe(self._best(limit, context)[0], limit)
 

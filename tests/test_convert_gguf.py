@@ -67,6 +67,11 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer() -> Tokenizer:
+    return make_tiny_tokenizer()
+
+
+def make_tiny_tokenizer() -> Tokenizer:
+    """A byte-level BPE trained on CORPUS, with a multi-digit token."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [

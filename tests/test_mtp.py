@@ -279,3 +279,16 @@ def test_an_mtp_layer_of_an_unsupported_type_is_named(tmp_path):
     config["num_nextn_predict_layers"] = 0  # no MTP layer declared: nothing to keep
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert extract_mtp(tmp_path, tmp_path / "out") == 0
+
+
+def test_auto_picks_the_targets_own_mtp_head(converted):
+    from mlx_lm import load
+
+    from mlx_dflash.drafters.mtp import MTPDraftModel
+    from mlx_dflash.drafters.published import MTP, choose
+
+    _, _, out = converted
+    target, _ = load(str(out))
+    drafter, choice = choose(str(out), out, target)
+    assert isinstance(drafter, MTPDraftModel) and choice.drafter == MTP
+    assert "multi-token-prediction head" in choice.reason

@@ -4,7 +4,7 @@ from .. import _blas
 
 _blas.load_fast_blas()
 
-from . import bench, chat, convert, generate, launch, serve, train  # noqa: E402,F401  (registers them)
+from . import bench, chat, convert, doctor, generate, launch, models, serve, train  # noqa: E402,F401,I001  (registers them)
 from .app import app  # noqa: E402
 
 

@@ -78,8 +78,13 @@ def _load_pair(model: str | None, drafter: str | None, split: str) -> tuple:
     from .. import distributed
     from ..drafters import DrafterMismatchError, load_drafter
 
+    from ..drafters.base import LookupDrafts
+    from ..drafters.published import AUTO, LOOKUP, MTP, NONE
+
+    choice = (drafter or AUTO).lower() if (drafter or AUTO).lower() in (
+        AUTO, LOOKUP, MTP, NONE) else None
     try:
-        if model is None and drafter is None:
+        if model is None and choice == AUTO:
             from ..default_pair import load_default
 
             return _split(*load_default(progress=distributed.is_root()), split)
@@ -92,13 +97,23 @@ def _load_pair(model: str | None, drafter: str | None, split: str) -> tuple:
         # Split across ranks, each loads only its part (lazily, then sharded).
         target, tokenizer = load(model, lazy=distributed.group() is not None)
         draft = None
-        if drafter is not None and drafter.lower() == "mtp":  # the target's own MTP head
+        if choice == AUTO:  # the target's MTP head, a published drafter, or lookups only
+            from mlx_lm.utils import _download
+
+            from ..drafters.published import choose
+
+            draft, chosen = choose(model, _download(model), target)
+            if distributed.is_root():
+                print(f"Drafter (auto): {chosen.label}: {chosen.reason}", file=sys.stderr)
+        elif choice == MTP:  # the target's own MTP head
             from mlx_lm.utils import _download
 
             from ..drafters.mtp import load_mtp_drafter
 
             draft = load_mtp_drafter(_download(model), target)
-        elif drafter is not None and drafter.lower() != "none":
+        elif choice == LOOKUP:
+            draft = LookupDrafts()
+        elif choice is None:
             draft = load_drafter(drafter, model=target)
         return _split(target, draft, tokenizer, split)
     except (FileNotFoundError, NotADirectoryError, DrafterMismatchError, ValueError,

@@ -18,7 +18,17 @@ import numpy as np
 
 from mlx_dflash.convert.atomic import atomic_output_dir
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# GGUF's architecture names (Mistral's and most Llama-derived models' files say "llama").
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3")
+# -> mlx-lm's model_type and the Hugging Face architecture name
+_MODEL_TYPES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+}
 _DTYPES = ("float32", "float16", "bfloat16")
 
 # GGUF tensor name (without .weight/.bias) -> HF / mlx-lm name.
@@ -40,7 +50,51 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Per architecture, where its names differ from the table above.
+_ARCH_LAYER_NAMES = {
+    "gemma3": {  # four norms a layer
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "qwen3moe": {  # the router, and the experts stacked as mlx-lm's SwitchGLU holds them
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+        "ffn_up_exps": "mlp.switch_mlp.up_proj",
+        "ffn_down_exps": "mlp.switch_mlp.down_proj",
+    },
+    "phi3": {  # fused projections, as mlx-lm's phi3 has them too
+        "attn_qkv": "self_attn.qkv_proj",
+        "ffn_up": "mlp.gate_up_proj",
+    },
+}
+# What every layer must have, per architecture (the default: attention + gated MLP).
+_LAYER_PARTS = {
+    "default": ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
+                "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                "mlp.up_proj", "mlp.down_proj"),
+    "gemma3": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+               "post_feedforward_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+               "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    "qwen3moe": ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
+                 "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate",
+                 "mlp.switch_mlp.gate_proj", "mlp.switch_mlp.up_proj",
+                 "mlp.switch_mlp.down_proj"),
+    "phi3": ("input_layernorm", "post_attention_layernorm", "self_attn.qkv_proj",
+             "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"),
+}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Gemma's chat format, for Gemma GGUF files that carry no chat template.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% set role = 'model' if m['role'] == 'assistant' else 'user' %}"
+    "{% if m['role'] == 'system' %}{{ '<start_of_turn>user\\n' + m['content'] | trim + '\\n\\n' }}"
+    "{% else %}{% if loop.index0 == 0 or messages[loop.index0 - 1]['role'] != 'system' %}"
+    "{{ '<start_of_turn>' + role + '\\n' }}{% endif %}"
+    "{{ m['content'] | trim + '<end_of_turn>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
 
 # Pre-tokenizer split regexes, per llama.cpp's `tokenizer.ggml.pre` (see llama-vocab.cpp).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -114,6 +168,10 @@ def convert_gguf(
         )
 
     tensors = {t.name: t for t in reader.tensors}
+    if {"rope_factors_long.weight", "rope_factors_short.weight"} & tensors.keys():
+        raise GGUFConversionError(
+            f"{gguf_path} has rope_factors tensors (long-context 'longrope' scaling), which this "
+            "converter cannot map back to an mlx-lm rope_scaling config.")
     if "rope_freqs.weight" in tensors:
         raise GGUFConversionError(
             f"{gguf_path} has a rope_freqs tensor (Llama-3.1 style rope scaling), which this "
@@ -123,6 +181,11 @@ def convert_gguf(
         raise GGUFConversionError(f"{gguf_path} has no token_embd.weight tensor.")
     config = _build_config(meta, arch, tensors)
     tokenizer_json, tokenizer_config, special_map = _build_tokenizer(meta, config["vocab_size"])
+    if arch == "gemma3" and "chat_template" not in tokenizer_config:
+        tokenizer_config["chat_template"] = GEMMA_CHAT_TEMPLATE
+        if progress:
+            print("The GGUF file has no chat template: writing Gemma's chat format.",
+                  file=sys.stderr, flush=True)
 
     n_head = config["num_attention_heads"]
     n_kv = config["num_key_value_heads"]
@@ -133,8 +196,10 @@ def convert_gguf(
     with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
         weights: dict[str, mx.array] = {}
         for i, (gname, t) in enumerate(tensors.items(), start=1):
-            name = _hf_name(gname)
+            name = _hf_name(gname, arch)
             arr = _dequantize(t, gname)
+            if arch == "gemma3" and name.endswith("norm.weight"):
+                arr = arr - 1.0  # llama.cpp stores Gemma's norms as 1 + w (HF's x * (1 + w))
             # llama.cpp reorders Q/K rows of llama models for its interleaved rope; mlx-lm (like
             # HF) uses the rotate-half layout, so undo it. Qwen GGUFs are not permuted.
             if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "q_proj.bias")):
@@ -143,7 +208,7 @@ def convert_gguf(
                 arr = _unpermute(arr, n_kv)
             weights[name] = mx.array(arr).astype(target_dtype)
             reporter.update(i)
-        _check_complete(weights, config)
+        _check_complete(weights, config, arch)
         mx.eval(weights)
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         del weights
@@ -217,34 +282,23 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(gname: str) -> str:
+def _hf_name(gname: str, arch: str = "llama") -> str:
     stem, _, suffix = gname.rpartition(".")
     if suffix in ("weight", "bias") and stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     m = _LAYER_RE.match(gname)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     raise GGUFConversionError(f"Unexpected tensor {gname!r}: no mlx-lm equivalent is known.")
 
 
-def _check_complete(weights: dict[str, Any], config: dict[str, Any]) -> None:
+def _check_complete(weights: dict[str, Any], config: dict[str, Any], arch: str = "llama"
+                    ) -> None:
     needed = ["model.embed_tokens.weight", "model.norm.weight"]
+    parts = _LAYER_PARTS.get(arch, _LAYER_PARTS["default"])
     for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        needed += [
-            p + s + ".weight"
-            for s in (
-                "input_layernorm",
-                "post_attention_layernorm",
-                "self_attn.q_proj",
-                "self_attn.k_proj",
-                "self_attn.v_proj",
-                "self_attn.o_proj",
-                "mlp.gate_proj",
-                "mlp.up_proj",
-                "mlp.down_proj",
-            )
-        ]
+        needed += [f"model.layers.{i}.{part}.weight" for part in parts]
     missing = [n for n in needed if n not in weights]
     if missing:
         raise GGUFConversionError(f"GGUF is missing tensors: {missing[:5]} ({len(missing)} total)")
@@ -282,13 +336,10 @@ def _build_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> d
     if rope_dim != head_dim:
         raise GGUFConversionError(f"Partial rotary ({rope_dim} of {head_dim} dims) not supported.")
 
+    model_type, architecture = _MODEL_TYPES[arch]
     config: dict[str, Any] = {
-        "architectures": [
-            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
-                arch
-            ]
-        ],
-        "model_type": arch,
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
@@ -301,13 +352,30 @@ def _build_config(meta: dict[str, Any], arch: str, tensors: dict[str, Any]) -> d
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
     }
-    if arch == "qwen3" or head_dim != hidden // n_head:
-        if arch == "qwen2":
+    if arch in ("qwen3", "qwen3moe", "gemma3") or head_dim != hidden // n_head:
+        if arch in ("qwen2", "phi3"):
             raise GGUFConversionError("qwen2 with head_dim != hidden/heads is not supported.")
         config["head_dim"] = head_dim
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
         config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    if arch == "qwen3moe":
+        config.update(
+            num_experts=int(get("expert_count")),
+            num_experts_per_tok=int(get("expert_used_count")),
+            moe_intermediate_size=int(get("expert_feed_forward_length")),
+            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    if arch == "gemma3":
+        # llama.cpp's Gemma 3: local layers' rope base 10000, every sixth layer global, the
+        # query scaled by 1/sqrt(head_dim) (by 1/sqrt(hidden/heads) for the 27B model).
+        config.update(
+            rope_local_base_freq=10000.0, sliding_window_pattern=6,
+            sliding_window=int(get("attention.sliding_window", 512, required=False)),
+            query_pre_attn_scalar=(hidden // n_head if config["num_hidden_layers"] == 62
+                                   else head_dim))
+        config.pop("tie_word_embeddings")  # always tied
+    if arch == "phi3":
+        config["original_max_position_embeddings"] = config["max_position_embeddings"]
 
     scaling = get("rope.scaling.type", "none", required=False)
     if scaling == "linear":
@@ -332,31 +400,62 @@ def _build_tokenizer(
     meta: dict[str, Any], vocab_size: int
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Rebuild ``tokenizer.json`` + configs from the ``tokenizer.ggml.*`` metadata."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
+    from tokenizers import Tokenizer, models
 
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise GGUFConversionError(
-            f"Tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')."
+            f"Tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and "
+            "SentencePiece BPE 'llama' are)."
         )
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     if len(tokens) > vocab_size:
         raise GGUFConversionError(
             f"Tokenizer has {len(tokens)} tokens but the embedding only {vocab_size} rows."
         )
-
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    if kind == "llama":
+        tok = _sentencepiece_bpe(meta, tokens, vocab)
+    else:
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                                   byte_fallback=False))
+        _byte_level(tok, meta)
+    return _finish_tokenizer(tok, meta, tokens, types, vocab, kind)
+
+
+def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], vocab: dict[str, int]) -> Any:
+    """A SentencePiece BPE vocabulary (Llama 2, Gemma, Phi-3, Mistral's early models) as a
+    ``tokenizers`` BPE: merges rebuilt from the pieces' scores (as Hugging Face's converter
+    does for a SentencePiece model), "▁" for spaces, bytes by fallback."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    merges = []
+    for piece, score in zip(tokens, scores):  # every split of a piece into two known pieces
+        found = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        merges += sorted(found, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.sort(key=lambda m: m[2], reverse=True)
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for a, b, _ in merges],
+                               unk_token=tokens[int(unk)] if unk is not None else None,
+                               fuse_unk=True, byte_fallback=True))
+    steps = [normalizers.Replace(" ", "\u2581")]
+    if meta.get("tokenizer.ggml.add_space_prefix", True):
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    tok.normalizer = normalizers.Sequence(steps)
+    decode = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if meta.get("tokenizer.ggml.add_space_prefix", True):
+        decode.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(decode)
+    return tok
+
+
+def _byte_level(tok: Any, meta: dict[str, Any]) -> None:
+    """A byte-level BPE's pre-tokenizer (per ``tokenizer.ggml.pre``) and decoder."""
+    from tokenizers import Regex, decoders, pre_tokenizers
 
     pre = meta.get("tokenizer.ggml.pre", "default")
     style = _PRE_TOKENIZERS.get(pre)
@@ -386,6 +485,13 @@ def _build_tokenizer(
         )
     tok.decoder = decoders.ByteLevel()
 
+
+def _finish_tokenizer(tok: Any, meta: dict[str, Any], tokens: list[str], types: list[int],
+                      vocab: dict[str, int], kind: str
+                      ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Special tokens, the BOS/EOS template, the configs and the chat template."""
+    from tokenizers import AddedToken, processors
+
     def token_of(key: str) -> str | None:
         idx = meta.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
@@ -401,17 +507,12 @@ def _build_tokenizer(
             return out + ([f"{eos}:{type_id}"] if add_eos and eos else [])
 
         specials = {t: vocab[t] for t in (bos if add_bos else None, eos if add_eos else None) if t}
-        tok.post_processor = processors.Sequence(
-            [
-                processors.ByteLevel(trim_offsets=False),
-                processors.TemplateProcessing(
-                    single=seq("$A", 0),
-                    pair=seq("$A", 0) + seq("$B", 1),
-                    special_tokens=list(specials.items()),
-                ),
-            ]
-        )
-    else:
+        template = processors.TemplateProcessing(
+            single=seq("$A", 0), pair=seq("$A", 0) + seq("$B", 1),
+            special_tokens=list(specials.items()))
+        tok.post_processor = (processors.Sequence([processors.ByteLevel(trim_offsets=False),
+                                                   template]) if kind == "gpt2" else template)
+    elif kind == "gpt2":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
 
     # Control tokens (<|im_start|>, <|endoftext|>, ...) must be matched whole, never split.

@@ -18,6 +18,7 @@ from .dflash import DFlashDraftModel
 from .dflash2 import DFlash2Args, DFlash2DraftModel
 from .dspark import DSparkArgs, DSparkDraftModel
 from .eagle3 import Eagle3Args, Eagle3DraftModel
+from .base import LookupDrafts
 from .layers import DraftArgs
 from . import speculators
 from .registry import ARCHITECTURES, FAMILIES, NOT_YET, drafter_family
@@ -178,6 +179,8 @@ def _check_draft_vocab(drafter: Any, path: Path) -> None:
 
 def check_fits(drafter: DFlashDraftModel, model: Any) -> None:
     """Raise DrafterMismatchError naming the first way the drafter does not fit the target."""
+    if isinstance(drafter, LookupDrafts):  # nothing drafted: nothing to fit
+        return
     target = _target(model)
     a = drafter.args
     ids = a.target_layer_ids

@@ -90,13 +90,31 @@ def grow_trees(drafter: Any, target: Any, anchors: list[mx.array], caches: list[
     return [drafter.grow_tree(target, a, c, width, beam) for a, c in zip(anchors, caches)]
 
 
-def verify_width(drafter: Drafter | None, block_size: int | None = None,
+LOOKUP_WIDTH = 8  # most tokens a cycle of lookup drafts only verifies (the anchor and 7)
+
+
+class LookupDrafts:
+    """No drafter: a cycle verifies a block looked up from the context (copies, as prompt
+    lookup decoding finds them) where the scheduler expects it to pay, else decodes plainly.
+    What ``--drafter lookup`` loads, and ``auto`` for a target no published drafter fits.
+    The decode loop sees no drafter (``drafting`` gives None) and a verify width of
+    ``width``."""
+
+    source_path = None
+
+    def __init__(self, width: int = LOOKUP_WIDTH):
+        self.width = width
+
+
+def verify_width(drafter: Drafter | LookupDrafts | None, block_size: int | None = None,
                  schedule: bool = True) -> int:
     """Most tokens one cycle verifies (the anchor and its drafts): ``block_size`` if given;
     else the drafter's block for the scheduler to choose within, or its configured
-    ``verify_block_size`` without one; 1 without a drafter."""
+    ``verify_block_size`` without one; 1 without a drafter; for lookups only, their width."""
     if drafter is None:
         return 1
+    if isinstance(drafter, LookupDrafts):
+        return block_size or drafter.width
     width = block_size or (None if schedule else drafter.args.verify_block_size)
     width = width or drafter.block_size
     if drafter.fixed_width:
@@ -104,7 +122,10 @@ def verify_width(drafter: Drafter | None, block_size: int | None = None,
     return width
 
 
-def drafting(drafter: Drafter | None, block_size: int | None = None,
+def drafting(drafter: Drafter | LookupDrafts | None, block_size: int | None = None,
              schedule: bool = True) -> Drafter | None:
-    """The drafter, or None when a cycle verifies one token at most (nothing to draft)."""
+    """The drafter, or None when nothing is drafted (a cycle verifies one token at most, or
+    lookups only)."""
+    if isinstance(drafter, LookupDrafts):
+        return None
     return drafter if verify_width(drafter, block_size, schedule) > 1 else None

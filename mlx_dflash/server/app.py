@@ -25,7 +25,7 @@ from ..target import as_target
 from .anthropic import CountTokensRequest, MessageShaper, MessagesRequest
 from .auth import APIKeyMiddleware
 from .chat import Shaper
-from .dashboard import add_dashboard, drafter_name
+from .dashboard import add_dashboard
 from .metrics import Metrics
 from .errors import APIError, error_response, install_handlers
 from .models import (
@@ -110,7 +110,7 @@ def create_app(
             cache = m.prefix_cache
             tiers = {} if cache is None else {"memory": cache.nbytes} | (
                 {"disk": cache.disk.nbytes()} if cache.disk is not None else {})
-            models[m.name] = {"loaded": m.loaded, "drafter": drafter_name(m.drafter),
+            models[m.name] = {"loaded": m.loaded, "drafter": m.drafter_label,
                               "block_size": m.block_size, "context": m.context,
                               "weights_bytes": m.nbytes, "prefix_cache": tiers,
                               "decoding": worker.running > 0 and worker.serving == m.name}
@@ -124,8 +124,9 @@ def create_app(
     app.state.max_context = pool.get(None).context
 
     def model_card(name: str) -> dict[str, Any]:
+        served = pool.get(name)
         return {"id": name, "object": "model", "created": created, "owned_by": "mlx-dflash",
-                "context_length": pool.get(name).context}
+                "context_length": served.context, "drafter": served.drafter_label}
 
     def served(name: str) -> ServedModel:
         found = pool.get(name)

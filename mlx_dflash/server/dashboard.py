@@ -11,8 +11,6 @@ and sends it with its requests, as every /v1 route requires it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
 from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
@@ -33,10 +31,3 @@ def add_dashboard(app: FastAPI) -> None:
                                      "X-Content-Type-Options": "nosniff",
                                      "Cache-Control": "no-cache"})
 
-
-def drafter_name(drafter: Any) -> str | None:
-    """What drafts for a served model, for the dashboard: its family and where it came from."""
-    if drafter is None:
-        return None
-    path = drafter.source_path
-    return type(drafter).__name__ + (f" ({path.name})" if path is not None else "")

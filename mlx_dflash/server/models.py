@@ -74,6 +74,7 @@ class ServedModel:
     model: Any = None
     drafter: Any = None
     nbytes: int = 0
+    drafter_label: str = ""  # what drafts for it, for people (drafters.published.describe)
     checkpoints: bool = False  # its caches cannot be cut back: store checkpoints
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # every request's, by default
     prefix_cache: PrefixCache | None = field(default=None, repr=False)
@@ -109,7 +110,10 @@ def lazy_model(name: str, load: Loader, *, block_size: int | None = None,
 
 
 def _attach(served: ServedModel, model: Any, drafter: Any) -> None:
+    from ..drafters.published import describe
+
     served.model, served.drafter = model, drafter
+    served.drafter_label = describe(drafter)
     if model is None:  # a stand-in (tests of the worker)
         return
     served.nbytes = weight_bytes(model, drafter)
