@@ -15,6 +15,7 @@ from .decode import (  # noqa: E402
 )
 from .default_pair import load_default  # noqa: E402
 from .drafters import DrafterMismatchError, load_drafter  # noqa: E402
+from .drafters.base import LookupDrafts  # noqa: E402
 from .drafters.mtp import load_mtp_drafter  # noqa: E402
 from .grammar import Grammar, GrammarError  # noqa: E402
 from .pair_cache import PairCache  # noqa: E402
@@ -31,6 +32,7 @@ __all__ = [
     "GenerationStats",
     "Grammar",
     "GrammarError",
+    "LookupDrafts",
     "PairCache",
     "PrefixCache",
     "Target",
