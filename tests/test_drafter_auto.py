@@ -167,3 +167,24 @@ def test_generate_names_the_choice_and_models_lists_the_table(tiny_pair, tmp_pat
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "z-lab/Qwen3-8B-DFlash-b16" in run.stdout
     assert f"shipped:{DEFAULT_DRAFTER}" in run.stdout
+
+
+def test_the_server_serves_a_target_with_lookups_only():
+    import httpx
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from test_server import TEMPLATE
+    from tiny import EOS_ID
+
+    from mlx_dflash.server import BackgroundServer, create_app
+
+    model = make_target("qwen3", vocab_size=96, seed=2)
+    hf = make_tokenizer(96)._tokenizer
+    hf.chat_template = TEMPLATE
+    tok = TokenizerWrapper(hf, eos_token_ids=[EOS_ID])
+    prompt = "w5 w6 w7 w8 w5 w6 w7 w8 w5 w6"
+    with BackgroundServer(create_app(model, LookupDrafts(), tok, model_name="m")) as server:
+        assert httpx.get(f"{server.url}/v1/models/m").json()["drafter"] == "lookup drafts only"
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": "m", "prompt": prompt, "max_tokens": 30, "temperature": 0}).json()
+    want, _ = reference(model, tok.encode(prompt), 30)
+    assert r["choices"][0]["text"] == tok.decode(want)

@@ -46,10 +46,20 @@ def _json_object(option: str, value: str | None) -> dict[str, Any]:
 
 
 def _entries(models: list[str], drafters: list[str], names: list[str],
-             config: str | None) -> list:
-    """What to serve: the config file's models, or --model/--drafter/--model-name in order."""
+             config: str | None, model_dir: Path | None = None) -> list:
+    """What to serve: the config file's models, every model in --model-dir, or
+    --model/--drafter/--model-name in order."""
     from ..server.models import ModelEntry, read_models_config
 
+    if model_dir is not None:
+        if models or drafters or names or config:
+            fail("--model-dir replaces --model, --drafter, --model-name and --models-config")
+        if not model_dir.is_dir():
+            fail(f"--model-dir: {model_dir} is not a directory")
+        found = sorted(p for p in model_dir.iterdir() if _is_target(p))
+        if not found:
+            fail(f"--model-dir: no mlx-lm model (config.json + *.safetensors) in {model_dir}")
+        return [ModelEntry(p.name, str(p), None) for p in found]  # drafters: auto
     if config is not None:
         if models or drafters or names:
             fail("--models-config replaces --model, --drafter and --model-name")
@@ -132,6 +142,15 @@ def serve(
     draft_window: Optional[int] = typer.Option(None, "--draft-window", min=0,
                                                help=DRAFT_WINDOW_HELP),
     kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help=KV_BITS_HELP),
+    model_dir: Optional[Path] = typer.Option(
+        None, "--model-dir", help="Serve every mlx-lm model in this directory (each "
+        "sub-directory with config.json and weights, named by it), each with --drafter auto."),
+    preload: bool = typer.Option(
+        False, "--preload", help="Load every model at start (default: on its first request "
+        "or POST /v1/models/NAME/load)."),
+    ttl: Optional[float] = typer.Option(
+        None, "--ttl", min=0.0, help="Unload a model idle this many seconds (pinned ones "
+        "stay). Default: never."),
 ) -> None:
     """Serve models over OpenAI- and Anthropic-compatible APIs (/v1/chat/completions,
     /v1/completions, /v1/responses, /v1/messages, /v1/models)."""
@@ -151,26 +170,32 @@ def serve(
     budget = _size("--model-memory", model_memory)
     cache = CacheSettings(_size("--cache-memory", cache_memory), cache_dir,
                           _size("--cache-disk", cache_disk))
-    entries = _entries(model, drafter, model_name, models_config)
+    entries = _entries(model, drafter, model_name, models_config, model_dir)
     template_kwargs = _json_object("--chat-template-kwargs", chat_template_kwargs)
     if distributed.init() is not None:
         _across_machines(budget, cache)
+        preload = True  # every rank holds its part from the start
     served = []
     for entry in entries:
         name = entry.name or entry.model or DEFAULT_TARGET_NAME
         load = functools.partial(load_pair, entry.model, entry.drafter, split=split,
                                  draft_window=draft_window, kv_bits=kv_bits)
-        served.append(lazy_model(name, load, block_size=entry.block_size or block_size,
-                                 max_context=max_context,
-                                 template_kwargs={**template_kwargs,
-                                                  **(entry.chat_template_kwargs or {})}))
+        try:  # without --preload only the tokenizer and config are read now
+            path = None if preload else _target_dir(entry.model)
+            served.append(lazy_model(name, load, block_size=entry.block_size or block_size,
+                                     max_context=max_context, path=path,
+                                     template_kwargs={**template_kwargs,
+                                                      **(entry.chat_template_kwargs or {})}))
+        except (OSError, ValueError) as e:
+            fail(f"model '{name}': {e}")
         if budget is not None and len(served) > 1 and sum(s.nbytes for s in served) > budget:
             served[-1].model = served[-1].drafter = None  # loaded again on first use
     try:
         server_app = create_app(models=served, model_memory=budget, cache=cache,
                                 api_key=api_key, copy_drafts=copy, max_batch=max_batch,
                                 tree=tree_size, max_tokens_cap=max_tokens,
-                                default_temperature=temp, allowed_origins=allowed_origins)
+                                default_temperature=temp, allowed_origins=allowed_origins,
+                                ttl=ttl)
     except ValueError as e:
         fail(str(e))
     if not distributed.is_root():  # rank 0 serves; this rank runs its engine steps
@@ -187,6 +212,32 @@ def serve(
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _is_target(path: Path) -> bool:
+    """An mlx-lm model directory (config.json and weights) that is not a drafter's."""
+    from ..drafters import speculators
+    from ..drafters.registry import ARCHITECTURES, NOT_YET
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    arch = (config.get("architectures") or [""])[0]
+    return (any(path.glob("*.safetensors")) and arch not in ARCHITECTURES
+            and arch not in NOT_YET and not speculators.is_speculators(config))
+
+
+def _target_dir(model: str | None) -> Path:
+    """The target's local directory (the default target's, converted once; a hub id's,
+    downloaded once), whose tokenizer and config a lazily loaded model reads at start."""
+    if model is None:
+        from ..default_pair import ensure_default_target
+
+        return ensure_default_target()
+    from mlx_lm.utils import _download
+
+    return Path(_download(model))
 
 
 def _configure_logs(level: str, log_file: Path | None) -> None:

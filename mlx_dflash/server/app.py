@@ -42,7 +42,7 @@ from .responses import ResponseShaper, ResponsesRequest, ResponseStore, conversa
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .structured import NO_THINKING
 from .tools import template_tools
-from .worker import Delta, Done, Failed, Job, ModelWorker, Started
+from .worker import Delta, Done, Failed, Job, ModelBusy, ModelWorker, Started
 
 DISCONNECT_POLL_S = 0.25  # how often a request checks that its client is still there
 KEEPALIVE_S = 10.0  # a stream silent this long (a long prefill) gets a ping or an SSE comment
@@ -67,6 +67,7 @@ def create_app(
     max_batch: int = 8,
     tree: int | str | None = None,
     allowed_origins: Sequence[str] = (),
+    ttl: float | None = None,
 ) -> FastAPI:
     """An app serving ``model`` (with ``drafter``; None: the target alone) as ``model_name``,
     or several ``models`` by name (the first is the default; at most ``model_memory`` bytes of
@@ -77,13 +78,14 @@ def create_app(
     context ends); ``max_tokens_cap``: no reply longer than that, whatever a request asks;
     ``default_temperature``: for requests that name none (None: each API's own default, 1.0;
     agents send none). ``allowed_origins``: web pages that may call the API from a browser
-    (CORS; none by default; the API key, if any, is still required of their requests)."""
+    (CORS; none by default; the API key, if any, is still required of their requests).
+    ``ttl``: seconds a loaded model may sit idle before it is unloaded (None: never)."""
     if models is None:
         if model_name is None:
             raise ValueError("model_name is required with a single model")
         models = [served_model(model_name, model, drafter, tokenizer, block_size=block_size,
                                max_context=max_context)]
-    pool = ModelPool(models, max_bytes=model_memory, cache=cache)
+    pool = ModelPool(models, max_bytes=model_memory, cache=cache, ttl=ttl)
     worker = ModelWorker(pool, copy_drafts, max_batch, tree)
     stored = ResponseStore()  # the Responses API's store: true
     created = int(time.time())
@@ -126,7 +128,8 @@ def create_app(
     def model_card(name: str) -> dict[str, Any]:
         served = pool.get(name)
         return {"id": name, "object": "model", "created": created, "owned_by": "mlx-dflash",
-                "context_length": served.context, "drafter": served.drafter_label}
+                "context_length": served.context, "drafter": served.drafter_label,
+                "loaded": served.loaded, "pinned": served.pinned}
 
     def served(name: str) -> ServedModel:
         found = pool.get(name)
@@ -143,6 +146,9 @@ def create_app(
         the context ends), cut to the room the context leaves. ``api``: "openai" (a limit
         beyond the whole context is a 400, as OpenAI's chat API has it), "responses" or
         "anthropic" (always cut; agents ask for more than any local context)."""
+        if problem := pool.fit_problem(model.name, busy=worker.serving):
+            raise APIError(507, f"The model cannot be loaded: {problem}.", param="model",
+                           code="model_does_not_fit", type="server_error")
         ctx, n = model.context, len(prompt.ids)
         if api == "anthropic" and n >= ctx:  # Anthropic's wording: Claude Code's compaction
             raise APIError(400, f"prompt is too long: {n} tokens > {ctx - 1} maximum",
@@ -233,6 +239,49 @@ def create_app(
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
         return model_card(served(model_id).name)
+
+    async def on_worker(fn: Any) -> Any:
+        return await asyncio.wrap_future(worker.call(fn))
+
+    @app.post("/v1/models/{model_id:path}/load")
+    async def load_model(model_id: str) -> dict[str, Any]:
+        """Load the model now (after the fit check)."""
+        name = served(model_id).name
+        if problem := pool.fit_problem(name, busy=worker.serving):
+            raise APIError(507, f"The model cannot be loaded: {problem}.",
+                           code="model_does_not_fit", type="server_error")
+        await on_worker(lambda: worker.load_model(name))
+        return model_card(name)
+
+    @app.post("/v1/models/{model_id:path}/unload")
+    async def unload_model(model_id: str) -> dict[str, Any]:
+        """Unload the model's weights (not a pinned one, nor one with requests)."""
+        name = served(model_id).name
+        try:
+            await on_worker(lambda: worker.unload_model(name))
+        except ModelBusy as e:
+            raise APIError(409, str(e), code="model_busy") from None
+        except ValueError as e:
+            raise APIError(409, str(e), code="model_pinned") from None
+        return model_card(name)
+
+    @app.post("/v1/models/{model_id:path}/pin")
+    async def pin_model(model_id: str) -> dict[str, Any]:
+        """Keep the model loaded (loading it now if need be): never unloaded until unpinned."""
+        model = served(model_id)
+        if problem := pool.fit_problem(model.name, busy=worker.serving):
+            raise APIError(507, f"The model cannot be loaded: {problem}.",
+                           code="model_does_not_fit", type="server_error")
+        await on_worker(lambda: worker.load_model(model.name))
+        model.pinned = True
+        return model_card(model.name)
+
+    @app.post("/v1/models/{model_id:path}/unpin")
+    async def unpin_model(model_id: str) -> dict[str, Any]:
+        model = served(model_id)
+        model.pinned = False
+        pool.touch(model.name)  # its idle time starts now
+        return model_card(model.name)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

@@ -1,5 +1,7 @@
-"""The models a server serves by name: tokenizers always loaded, weights loaded on first use and
-the least recently used unloaded above a memory budget; each loaded model with its prefix cache.
+"""The models a server serves by name: tokenizers always loaded, weights loaded on first use (or
+at start, or over the API) after a check that they fit in memory, the least recently used
+unloaded above a memory budget or after an idle time, pinned ones never; each loaded model with
+its prefix cache.
 """
 
 from __future__ import annotations
@@ -8,12 +10,14 @@ import gc
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -31,18 +35,42 @@ DEFAULT_CACHE_MEMORY = 2 << 30  # bytes of prefix caches kept in memory, per loa
 Loader = Callable[[], tuple[Any, Any, Any]]  # -> (model, drafter, tokenizer)
 
 
+CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "context_length", "n_ctx")
+
+
 def context_size(model: Any) -> int:
     """The target's context length from its config, or DEFAULT_CONTEXT."""
     args = getattr(model, "args", None)
-    for name in ("max_position_embeddings", "max_seq_len", "context_length", "n_ctx"):
-        value = getattr(args, name, None)
+    return context_of({k: getattr(args, k, None) for k in CONTEXT_KEYS})
+
+
+def context_of(config: dict[str, Any]) -> int:
+    """A config.json's context length (its text part's, for a multimodal one)."""
+    text = config.get("text_config") or {}
+    for name in CONTEXT_KEYS:
+        value = config.get(name, text.get(name))
         if isinstance(value, int) and value > 0:
             return value
     return DEFAULT_CONTEXT
 
 
+def cache_bytes_per_token(config: dict[str, Any]) -> int:
+    """Keys and values of one position in every layer, as a config.json describes the model
+    (an upper bound for sliding-window and recurrent layers)."""
+    c = {**(config.get("text_config") or {}), **config}
+    heads = c.get("num_key_value_heads") or c.get("num_attention_heads") or 0
+    dim = c.get("head_dim") or (c.get("hidden_size", 0) // max(c.get("num_attention_heads", 1), 1))
+    itemsize = 4 if str(c.get("torch_dtype", "")).endswith("float32") else 2
+    return 2 * int(c.get("num_hidden_layers", 0)) * int(heads) * int(dim) * itemsize
+
+
+def weights_on_disk(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
 def weight_bytes(*modules: Any) -> int:
-    return sum(p.nbytes for m in modules if m is not None
+    """Bytes of the modules' weights (a LookupDrafts has none)."""
+    return sum(p.nbytes for m in modules if isinstance(m, nn.Module)
                for _, p in tree_flatten(m.parameters()))
 
 
@@ -75,6 +103,9 @@ class ServedModel:
     drafter: Any = None
     nbytes: int = 0
     drafter_label: str = ""  # what drafts for it, for people (drafters.published.describe)
+    pinned: bool = False  # never unloaded (budget or idle time)
+    last_used: float = 0.0  # time.monotonic() of its last load or request
+    need_bytes: int = 0  # weights on disk + caches at its context limit (the fit check)
     checkpoints: bool = False  # its caches cannot be cut back: store checkpoints
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # every request's, by default
     prefix_cache: PrefixCache | None = field(default=None, repr=False)
@@ -102,11 +133,26 @@ def served_model(
 
 def lazy_model(name: str, load: Loader, *, block_size: int | None = None,
                max_context: int | None = None,
-               template_kwargs: dict[str, Any] | None = None) -> ServedModel:
-    """A ServedModel loaded once now (to know its tokenizer and context), unloadable later."""
-    model, drafter, tokenizer = load()
-    return served_model(name, model, drafter, tokenizer, block_size=block_size,
-                        max_context=max_context, load=load, template_kwargs=template_kwargs)
+               template_kwargs: dict[str, Any] | None = None,
+               path: Path | None = None) -> ServedModel:
+    """A ServedModel whose weights ``load`` brings in on first use. With ``path`` (its
+    directory) only the tokenizer and config are read now; without, it is loaded once now to
+    know them (and stays loaded)."""
+    if path is None:
+        model, drafter, tokenizer = load()
+        return served_model(name, model, drafter, tokenizer, block_size=block_size,
+                            max_context=max_context, load=load,
+                            template_kwargs=template_kwargs)
+    from mlx_lm.utils import load_tokenizer
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    context = max_context or context_of(config)
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    served = ServedModel(name, load_tokenizer(Path(path)), context, vocab, block_size, load,
+                         template_kwargs=dict(template_kwargs or {}),
+                         drafter_label="not loaded yet")
+    served.need_bytes = weights_on_disk(Path(path)) + cache_bytes_per_token(config) * context
+    return served
 
 
 def _attach(served: ServedModel, model: Any, drafter: Any) -> None:
@@ -114,9 +160,11 @@ def _attach(served: ServedModel, model: Any, drafter: Any) -> None:
 
     served.model, served.drafter = model, drafter
     served.drafter_label = describe(drafter)
+    served.last_used = time.monotonic()
     if model is None:  # a stand-in (tests of the worker)
         return
     served.nbytes = weight_bytes(model, drafter)
+    served.need_bytes = max(served.need_bytes, served.nbytes)
     served.checkpoints = needs_checkpoints(as_target(model))
 
 
@@ -125,7 +173,8 @@ class ModelPool:
     stay loaded (least recently used unloaded first; None: no limit)."""
 
     def __init__(self, models: list[ServedModel], *, max_bytes: int | None = None,
-                 cache: CacheSettings | None = None):
+                 cache: CacheSettings | None = None, ttl: float | None = None,
+                 headroom: Callable[[], int] | None = None):
         if not models:
             raise ValueError("no models to serve")
         names = [m.name for m in models]
@@ -134,6 +183,8 @@ class ModelPool:
         self.models = {m.name: m for m in models}
         self.default = names[0]
         self.max_bytes = max_bytes
+        self.ttl = ttl  # seconds a model may sit idle before it is unloaded (None: forever)
+        self.headroom = headroom  # free memory (default schedule.memory_headroom)
         self.cache = cache or CacheSettings()
         self._lru: OrderedDict[str, None] = OrderedDict()  # loaded models, oldest use first
         self._lock = threading.Lock()
@@ -152,11 +203,73 @@ class ModelPool:
     def loaded(self) -> list[str]:
         return [name for name in self._lru if self.models[name].loaded]
 
+    def touch(self, name: str | None) -> None:
+        served = self.get(name)
+        if served is not None:
+            served.last_used = time.monotonic()
+
+    def fit_problem(self, name: str | None, busy: str | None = None) -> str | None:
+        """Why the model cannot be loaded without swapping (None: it fits, or is loaded):
+        its weights and its caches at the context limit against the free memory plus what
+        unloading the idle, unpinned models would free, and against ``max_bytes``."""
+        served = self.get(name)
+        if served is None or served.loaded or served.load is None:
+            return None
+        need = served.need_bytes
+        if self.max_bytes is not None and need > self.max_bytes:
+            return (f"'{served.name}' needs {_gib(need)} (weights and caches at its "
+                    f"{served.context}-token context), more than --model-memory "
+                    f"{_gib(self.max_bytes)}")
+        if self.headroom is None:
+            from ..schedule import memory_headroom
+
+            self.headroom = memory_headroom
+        freeable = sum(m.nbytes for n, m in self.models.items() if n in self._lru
+                       and n != busy and not m.pinned and m.load is not None)
+        free = self.headroom() + freeable
+        if need > free:
+            return (f"'{served.name}' needs {_gib(need)} (weights and caches at its "
+                    f"{served.context}-token context) and {_gib(free)} can be had (free memory, "
+                    "and idle unpinned models unloaded): loading it would swap. Unload or "
+                    "unpin another model, or serve this one with a smaller --max-context or "
+                    "quantized")
+        return None
+
+    def unload(self, name: str, why: str = "asked") -> bool:
+        """Unload a loaded model (not a pinned one: ValueError); False if it was not loaded."""
+        served = self.models[name]
+        if served.pinned:
+            raise ValueError(f"'{name}' is pinned: unpin it first")
+        if served.load is None:
+            raise ValueError(f"'{name}' was given as objects and cannot be loaded again")
+        with self._lock:
+            if name not in self._lru or not served.loaded:
+                return False
+            self._unload(name, why)
+        return True
+
+    def expired(self, now: float) -> list[str]:
+        """Loaded, unpinned models idle for longer than the ttl."""
+        if self.ttl is None:
+            return []
+        return [n for n in self._lru if not self.models[n].pinned
+                and self.models[n].load is not None and self.models[n].loaded
+                and now - self.models[n].last_used >= self.ttl]
+
+    def next_expiry(self, now: float) -> float | None:
+        """Seconds until the next loaded model's idle time runs out (None: no ttl or none)."""
+        if self.ttl is None:
+            return None
+        times = [self.models[n].last_used + self.ttl - now for n in self._lru
+                 if not self.models[n].pinned and self.models[n].load is not None]
+        return max(0.0, min(times)) if times else None
+
     def acquire(self, name: str | None) -> ServedModel:
         """The model, loaded (run on the worker thread: loading runs MLX)."""
         served = self.models[self.default if name is None else name]
         with self._lock:
             if not served.loaded:  # only models with a loader are ever unloaded
+                self._make_room(served)
                 log.info("loading model '%s'", served.name)
                 model, drafter, _ = served.load()
                 _attach(served, model, drafter)
@@ -174,18 +287,32 @@ class ModelPool:
                            max_disk_bytes=self.cache.disk,
                            fingerprint=pair_fingerprint(served.model, drafter))
 
+    def _make_room(self, served: ServedModel) -> None:
+        """Before a load: unload the least recently used unpinned models until the free memory
+        holds what it needs (as far as they go)."""
+        if self.headroom is None:
+            from ..schedule import memory_headroom
+
+            self.headroom = memory_headroom
+        for name in [n for n in self._lru if not self.models[n].pinned
+                     and self.models[n].load is not None]:
+            if self.headroom() >= served.need_bytes:
+                break
+            self._unload(name, f"room for '{served.name}'")
+
     def _unload_above_budget(self, keep: str) -> None:
         if self.max_bytes is None:
             return
         while sum(self.models[n].nbytes for n in self._lru) > self.max_bytes:
-            victims = [n for n in self._lru if n != keep and self.models[n].load is not None]
+            victims = [n for n in self._lru if n != keep and self.models[n].load is not None
+                       and not self.models[n].pinned]
             if not victims:
                 break
             self._unload(victims[0])
 
-    def _unload(self, name: str) -> None:
+    def _unload(self, name: str, why: str = "memory budget") -> None:
         served = self.models[name]
-        log.info("unloading model '%s' (memory budget)", name)
+        log.info("unloading model '%s' (%s)", name, why)
         served.model = served.drafter = served.prefix_cache = None  # the disk tier stays
         del self._lru[name]
         gc.collect()
@@ -227,3 +354,7 @@ def read_models_config(path: str | Path) -> list[ModelEntry]:
         entries.append(ModelEntry(item.get("name"), item.get("model"), item.get("drafter"),
                                   block, kwargs))
     return entries
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import ctypes
 import ctypes.util
 import itertools
@@ -136,6 +137,24 @@ class Engine(Protocol):
     def cancel(self, request_id: int) -> None: ...
     def prompt_started(self, request_id: int) -> tuple[int, int] | None: ...
     def watch(self, request_id: int, cancelled: threading.Event) -> None: ...
+
+
+class ModelBusy(Exception):
+    """The model has requests running or queued (it cannot be unloaded now)."""
+
+
+@dataclass
+class _Call:
+    """Work for the worker thread between engine steps (loading, unloading a model)."""
+
+    fn: Any
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+    def run(self) -> None:
+        try:
+            self.future.set_result(self.fn())
+        except BaseException as e:  # noqa: BLE001 (handed to the caller)
+            self.future.set_exception(e)
 
 
 class _Abandoned(Exception):
@@ -323,6 +342,33 @@ class ModelWorker:
         self._jobs.put(job)
         return job
 
+    def call(self, fn: Any) -> concurrent.futures.Future:
+        """Run ``fn`` on the worker thread between engine steps; its result as a future."""
+        self.start()
+        call = _Call(fn)
+        self._jobs.put(call)
+        return call.future
+
+    def load_model(self, name: str) -> Any:
+        """(worker thread) Load a served model now."""
+        return self.pool.acquire(name)
+
+    def unload_model(self, name: str) -> bool:
+        """(worker thread) Unload a served model; ModelBusy while it has requests."""
+        if name in self.busy_models():
+            raise ModelBusy(f"'{name}' has requests running or queued: unload it when they end")
+        if self._engine is not None and self._model_name() == name:
+            self._engine, self._model = None, None  # its idle engine goes with it
+        return self.pool.unload(name)
+
+    def busy_models(self) -> set[str]:
+        busy = {j.model or self.pool.default for j in self._backlog}
+        busy |= {a.job.model or self.pool.default for a in self._active.values()}
+        return busy
+
+    def _model_name(self) -> str:
+        return self._model or self.pool.default
+
     def stop(self, timeout: float = 30.0) -> None:
         """End the thread; the running and queued jobs are cancelled and told why."""
         # Held throughout, so a concurrent start() cannot add a second thread meanwhile.
@@ -337,6 +383,7 @@ class ModelWorker:
     def _run(self) -> None:
         try:
             while self._take(block=self._idle):
+                self._expire()
                 self._drop_cancelled()
                 self._feed_engine()
                 if self._engine is not None:
@@ -367,20 +414,35 @@ class ModelWorker:
         return not self._backlog and (self._engine is None or self._engine.idle)
 
     def _take(self, block: bool) -> bool:
-        """Move queued jobs to the backlog (waiting for one if there is nothing to do);
-        False once ``stop`` asked the thread to end."""
+        """Move queued jobs to the backlog and run queued calls (waiting for one if there is
+        nothing to do, at most until a model's idle time runs out); False once ``stop`` asked
+        the thread to end."""
         while True:
+            timeout = self.pool.next_expiry(time.monotonic()) if block else None
             try:
-                job = self._jobs.get(block=block)
+                job = self._jobs.get(block=block, timeout=timeout)
             except queue.Empty:
                 return True
             if job is None:
                 return False
-            self._backlog.append(job)
+            if isinstance(job, _Call):
+                job.run()
+            else:
+                self._backlog.append(job)
             block = False
+
+    def _expire(self) -> None:
+        """Unload the models idle for longer than the pool's ttl (not one with requests)."""
+        busy = self.busy_models()
+        for name in self.pool.expired(time.monotonic()):
+            if name not in busy:
+                if self._engine is not None and self._model_name() == name:
+                    self._engine, self._model = None, None
+                self.pool.unload(name, f"idle for {self.pool.ttl:g} s")
 
     def _ended(self, job: Job, outcome: str, stats: Any = None) -> None:
         job.outcome = outcome
+        self.pool.touch(job.model)
         if self.metrics is not None:
             self.metrics.finished(job.model or self.pool.default, job.endpoint, outcome, stats,
                                   job.first_token_s)
@@ -550,7 +612,9 @@ class ModelWorker:
         self._active.clear()
         self._backlog.clear()
         for job in jobs:
-            if job is not None and not job.cancelled.is_set():
+            if isinstance(job, _Call):
+                job.future.set_exception(RuntimeError(message))
+            elif job is not None and not job.cancelled.is_set():
                 job.cancel()
                 job.push(Failed(message))
         self._engine = self._model = None
