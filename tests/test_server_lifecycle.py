@@ -160,3 +160,24 @@ def test_model_dir_serves_every_model_found_with_auto_drafters(saved, tmp_path):
 
     with pytest.raises(typer.Exit):
         _entries([], [], [], None, tmp_path)  # nothing there: a clear error
+
+
+def test_models_take_turns_a_long_request_does_not_hold_another_models(saved):
+    endless = Loader(*saved["alpha"], eos=V + 1)
+    model, drafter, tok = endless()
+    from mlx_dflash.server.models import served_model
+
+    models = [served_model("alpha", model, drafter, tok),  # never stops before its limit
+              lazy_model("beta", Loader(*saved["beta"]), path=saved["beta"][0])]
+    with BackgroundServer(create_app(models=models)) as server:
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120, json={
+                "model": "alpha", "prompt": "w5 w6 w7", "max_tokens": 3000, "stream": True,
+                "temperature": 0}) as stream:
+            lines = stream.iter_lines()
+            next(lines)
+            r = chat(server, "beta", max_tokens=8)  # answered while alpha still decodes
+            assert r.status_code == 200
+            states = httpx.get(f"{server.url}/v1/stats").json()["models"]
+            assert states["alpha"]["decoding"] and states["beta"]["loaded"]
+            text = "".join(line for line in lines if line.startswith("data: {"))
+        assert '"finish_reason": "length"' in text  # alpha ran to its limit, after beta's reply

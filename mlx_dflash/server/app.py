@@ -107,7 +107,7 @@ def create_app(
                            allow_methods=["*"], allow_headers=["*"])
 
     def server_state() -> dict[str, Any]:
-        models = {}
+        models, serving = {}, worker.serving
         for m in pool.models.values():
             cache = m.prefix_cache
             tiers = {} if cache is None else {"memory": cache.nbytes} | (
@@ -115,9 +115,9 @@ def create_app(
             models[m.name] = {"loaded": m.loaded, "drafter": m.drafter_label,
                               "block_size": m.block_size, "context": m.context,
                               "weights_bytes": m.nbytes, "prefix_cache": tiers,
-                              "decoding": worker.running > 0 and worker.serving == m.name}
-        return {"running": worker.running, "waiting": worker.waiting, "models": models,
-                "last_pass": worker.last_pass}
+                              "pinned": m.pinned, "decoding": m.name in serving,
+                              "last_pass": worker.last_pass(m.name)}
+        return {"running": worker.running, "waiting": worker.waiting, "models": models}
 
     metrics = worker.metrics = Metrics(server_state)
     app.state.worker = worker

@@ -208,7 +208,7 @@ class ModelPool:
         if served is not None:
             served.last_used = time.monotonic()
 
-    def fit_problem(self, name: str | None, busy: str | None = None) -> str | None:
+    def fit_problem(self, name: str | None, busy: set[str] = frozenset()) -> str | None:
         """Why the model cannot be loaded without swapping (None: it fits, or is loaded):
         its weights and its caches at the context limit against the free memory plus what
         unloading the idle, unpinned models would free, and against ``max_bytes``."""
@@ -225,7 +225,7 @@ class ModelPool:
 
             self.headroom = memory_headroom
         freeable = sum(m.nbytes for n, m in self.models.items() if n in self._lru
-                       and n != busy and not m.pinned and m.load is not None)
+                       and n not in busy and not m.pinned and m.load is not None)
         free = self.headroom() + freeable
         if need > free:
             return (f"'{served.name}' needs {_gib(need)} (weights and caches at its "
@@ -264,18 +264,35 @@ class ModelPool:
                  if not self.models[n].pinned and self.models[n].load is not None]
         return max(0.0, min(times)) if times else None
 
-    def acquire(self, name: str | None) -> ServedModel:
-        """The model, loaded (run on the worker thread: loading runs MLX)."""
+    def room_for(self, name: str, busy: set[str]) -> bool:
+        """Whether the model is loaded, or can be without unloading the ``busy`` ones."""
+        served = self.models[name]
+        if served.loaded:
+            return True
+        held = sum(self.models[n].nbytes for n in busy if n in self._lru)
+        if self.max_bytes is not None and held + served.need_bytes > self.max_bytes:
+            return False
+        if self.headroom is None:
+            from ..schedule import memory_headroom
+
+            self.headroom = memory_headroom
+        freeable = sum(m.nbytes for n, m in self.models.items() if n in self._lru
+                       and n not in busy and not m.pinned and m.load is not None)
+        return self.headroom() + freeable >= served.need_bytes
+
+    def acquire(self, name: str | None, protect: set[str] = frozenset()) -> ServedModel:
+        """The model, loaded (run on the worker thread: loading runs MLX); the models in
+        ``protect`` (decoding now) are not unloaded for it."""
         served = self.models[self.default if name is None else name]
         with self._lock:
             if not served.loaded:  # only models with a loader are ever unloaded
-                self._make_room(served)
+                self._make_room(served, protect)
                 log.info("loading model '%s'", served.name)
                 model, drafter, _ = served.load()
                 _attach(served, model, drafter)
             self._lru[served.name] = None
             self._lru.move_to_end(served.name)
-            self._unload_above_budget(keep=served.name)
+            self._unload_above_budget(keep=served.name, protect=protect)
             if served.prefix_cache is None and self.cache.enabled and served.model is not None:
                 served.prefix_cache = self._prefix_cache(served)
         return served
@@ -287,7 +304,7 @@ class ModelPool:
                            max_disk_bytes=self.cache.disk,
                            fingerprint=pair_fingerprint(served.model, drafter))
 
-    def _make_room(self, served: ServedModel) -> None:
+    def _make_room(self, served: ServedModel, protect: set[str] = frozenset()) -> None:
         """Before a load: unload the least recently used unpinned models until the free memory
         holds what it needs (as far as they go)."""
         if self.headroom is None:
@@ -295,17 +312,17 @@ class ModelPool:
 
             self.headroom = memory_headroom
         for name in [n for n in self._lru if not self.models[n].pinned
-                     and self.models[n].load is not None]:
+                     and self.models[n].load is not None and n not in protect]:
             if self.headroom() >= served.need_bytes:
                 break
             self._unload(name, f"room for '{served.name}'")
 
-    def _unload_above_budget(self, keep: str) -> None:
+    def _unload_above_budget(self, keep: str, protect: set[str] = frozenset()) -> None:
         if self.max_bytes is None:
             return
         while sum(self.models[n].nbytes for n in self._lru) > self.max_bytes:
             victims = [n for n in self._lru if n != keep and self.models[n].load is not None
-                       and not self.models[n].pinned]
+                       and not self.models[n].pinned and n not in protect]
             if not victims:
                 break
             self._unload(victims[0])

@@ -305,9 +305,9 @@ class ModelWorker:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._backlog: deque[Job] = deque()  # taken from the queue, not yet in an engine
-        self._engine: Engine | None = None
-        self._model: str | None = None  # the engine's model
-        self._active: dict[int, _Active] = {}  # engine request id -> its job
+        # An engine per model in use: each running one gets a step in turn (fair turns).
+        self._engines: dict[str, Engine] = {}
+        self._active: dict[tuple[str, int], _Active] = {}  # (model, request id) -> its job
         # Across machines (ranks.py): what the other ranks are told before each engine step.
         self._outbox: list | None = [] if distributed.group() is not None else None
         self.running = self.waiting = 0  # jobs decoding / queued (read by /health)
@@ -319,15 +319,14 @@ class ModelWorker:
         return self.running + self.waiting
 
     @property
-    def serving(self) -> str | None:
-        """The model whose engine runs now (None: none has one)."""
-        return None if self._engine is None else (self._model or self.pool.default)
+    def serving(self) -> set[str]:
+        """The models whose engines have requests now."""
+        return {name for name, e in list(self._engines.items()) if not e.idle}
 
-    @property
-    def last_pass(self) -> tuple[int, int] | None:
-        """(rows, tokens a row) of the engine's last batched verify pass."""
-        engine = self._engine
-        return None if engine is None else engine.last_pass
+    def last_pass(self, name: str) -> tuple[int, int] | None:
+        """(rows, tokens a row) of the model's last batched verify pass, while it has one."""
+        engine = self._engines.get(name)
+        return None if engine is None or engine.idle else engine.last_pass
 
     def start(self) -> None:
         with self._lock:
@@ -350,24 +349,23 @@ class ModelWorker:
         return call.future
 
     def load_model(self, name: str) -> Any:
-        """(worker thread) Load a served model now."""
-        return self.pool.acquire(name)
+        """(worker thread) Load a served model now (no model with requests is unloaded for
+        it)."""
+        return self.pool.acquire(name, protect=self.serving)
 
     def unload_model(self, name: str) -> bool:
         """(worker thread) Unload a served model; ModelBusy while it has requests."""
         if name in self.busy_models():
             raise ModelBusy(f"'{name}' has requests running or queued: unload it when they end")
-        if self._engine is not None and self._model_name() == name:
-            self._engine, self._model = None, None  # its idle engine goes with it
+        self._engines.pop(name, None)  # its idle engine goes with it
         return self.pool.unload(name)
 
     def busy_models(self) -> set[str]:
-        busy = {j.model or self.pool.default for j in self._backlog}
-        busy |= {a.job.model or self.pool.default for a in self._active.values()}
-        return busy
+        busy = {self._name(j) for j in self._backlog}
+        return busy | {name for name, _ in self._active}
 
-    def _model_name(self) -> str:
-        return self._model or self.pool.default
+    def _name(self, job: Job) -> str:
+        return job.model or self.pool.default
 
     def stop(self, timeout: float = 30.0) -> None:
         """End the thread; the running and queued jobs are cancelled and told why."""
@@ -385,10 +383,11 @@ class ModelWorker:
             while self._take(block=self._idle):
                 self._expire()
                 self._drop_cancelled()
-                self._feed_engine()
-                if self._engine is not None:
-                    self._step()
-                    self._drop_cancelled()  # one left mid-step (a prefill it abandoned)
+                self._feed_engines()
+                for name, engine in list(self._engines.items()):  # a step each, in turn
+                    if not engine.idle:
+                        self._step(name, engine)
+                self._drop_cancelled()  # one left mid-step (a prefill it abandoned)
                 self._count()
                 if self._idle and self._jobs.empty():
                     mx.clear_cache()  # idle: give the buffer cache back so memory returns to base
@@ -411,7 +410,7 @@ class ModelWorker:
 
     @property
     def _idle(self) -> bool:
-        return not self._backlog and (self._engine is None or self._engine.idle)
+        return not self._backlog and all(e.idle for e in self._engines.values())
 
     def _take(self, block: bool) -> bool:
         """Move queued jobs to the backlog and run queued calls (waiting for one if there is
@@ -436,8 +435,7 @@ class ModelWorker:
         busy = self.busy_models()
         for name in self.pool.expired(time.monotonic()):
             if name not in busy:
-                if self._engine is not None and self._model_name() == name:
-                    self._engine, self._model = None, None
+                self._engines.pop(name, None)
                 self.pool.unload(name, f"idle for {self.pool.ttl:g} s")
 
     def _ended(self, job: Job, outcome: str, stats: Any = None) -> None:
@@ -451,41 +449,45 @@ class ModelWorker:
         for job in [j for j in self._backlog if j.cancelled.is_set()]:
             self._ended(job, "cancelled")
             self._backlog.remove(job)
-        for request_id, active in list(self._active.items()):
+        for (name, request_id), active in list(self._active.items()):
             if active.job.cancelled.is_set():
                 self._ended(active.job, "cancelled")
-                if self._engine is not None:
-                    self._engine.cancel(request_id)
-                del self._active[request_id]
+                if (engine := self._engines.get(name)) is not None:
+                    engine.cancel(request_id)
+                del self._active[name, request_id]
 
-    def _feed_engine(self) -> None:
-        """Hand backlog jobs of the engine's model to it. Jobs for another model wait: the
-        engine takes no more and drains, then that model gets an engine of its own."""
-        if self._engine is not None and self._engine.idle and any(
-                j.model != self._model for j in self._backlog):
-            self._engine, self._model = None, None
-        if self._engine is None and self._backlog:
-            job = self._backlog[0]
+    def _feed_engines(self) -> None:
+        """Hand backlog jobs to their models' engines, making an engine (and loading its model)
+        for a model that has none. A model that cannot be loaded while others decode (the
+        memory they hold) waits for them to drain; across machines one engine runs at a time
+        (the other ranks follow one), so another model's jobs wait for it to drain."""
+        for job in list(self._backlog):
+            name = self._name(job)
+            engine = self._engines.get(name)
+            if engine is None:
+                busy = self.serving
+                if busy and (self._outbox is not None or not self.pool.room_for(name, busy)):
+                    continue  # its turn comes when they drain
+                if self._outbox is not None:
+                    self._engines.clear()  # (all idle) the other ranks drop theirs too
+                try:
+                    engine = self._engines[name] = self._make_engine(name)
+                except Exception as e:  # noqa: BLE001 (a model that cannot load fails its job)
+                    log.exception("loading the model failed")
+                    self._backlog.remove(job)
+                    self._fail(job, e)
+                    continue
+                for gone in [n for n in self._engines if not self.pool.models[n].loaded]:
+                    del self._engines[gone]  # unloaded to make room for this one
+            self._backlog.remove(job)
             try:
-                self._engine = self._make_engine(job.model)
-                self._model = job.model
-            except Exception as e:  # noqa: BLE001 (a model that cannot load fails its job only)
-                log.exception("loading the model failed")
-                self._backlog.popleft()
-                self._fail(job, e)
-                return
-        if any(j.model != self._model for j in self._backlog):
-            return  # draining for the next model in line
-        while self._backlog:
-            job = self._backlog.popleft()
-            try:
-                request_id = self._engine.submit(job.prompt, **job.sampling)
+                request_id = engine.submit(job.prompt, **job.sampling)
             except Exception as e:  # noqa: BLE001 (a malformed job fails alone)
                 self._fail(job, e)
                 continue
-            self._engine.watch(request_id, job.cancelled)
-            self._active[request_id] = _Active(job, StopMatcher(job.stop),
-                                               origins=Origins() if job.origins else None)
+            engine.watch(request_id, job.cancelled)
+            self._active[name, request_id] = _Active(job, StopMatcher(job.stop),
+                                                     origins=Origins() if job.origins else None)
 
     def _make_engine(self, model: str | None) -> Engine:
         if self._outbox is None:
@@ -495,7 +497,7 @@ class ModelWorker:
 
     def make_engine(self, model: str | None) -> Engine:
         """A fresh engine over ``model`` (loaded if need be)."""
-        served = self.pool.acquire(model)
+        served = self.pool.acquire(model, protect=self.serving)
         tree = self._tree_for(served)
         if self.max_batch > 1 and served.model is not None:
             try:
@@ -516,36 +518,38 @@ class ModelWorker:
             return None
         return self.tree
 
-    def _step(self) -> None:
-        engine = self._engine
+    def _step(self, name: str, engine: Engine) -> None:
         try:
             responses = engine.step()
         except Exception as e:  # noqa: BLE001 (a failed step fails its requests, not the worker)
             log.exception("generation failed")
             waiting = set(engine.waiting_ids)
-            for request_id in [i for i in self._active if i not in waiting]:
-                self._fail(self._active.pop(request_id).job, e)
+            for key in [k for k in self._active if k[0] == name and k[1] not in waiting]:
+                self._fail(self._active.pop(key).job, e)
             # The engine's state is suspect: its queued jobs start over in a fresh one.
-            self._backlog.extendleft(reversed([self._active.pop(i).job
-                                               for i in engine.waiting_ids if i in self._active]))
-            self._engine = self._model = None
+            self._backlog.extendleft(reversed([self._active.pop((name, i)).job
+                                               for i in engine.waiting_ids
+                                               if (name, i) in self._active]))
+            del self._engines[name]
             if self._outbox is not None:  # across machines the ranks may part here: stop
                 raise _RanksParted(e) from e
             return
         if self.metrics is not None and engine.last_pass is not None:
-            self.metrics.step(self._model or self.pool.default, *engine.last_pass)
+            self.metrics.step(name, *engine.last_pass)
         for request_id, response in responses:
-            if (active := self._active.get(request_id)) is not None:
-                self._deliver(request_id, active, response)
+            if (active := self._active.get((name, request_id))) is not None:
+                self._deliver(name, request_id, active, response)
         if self.metrics is not None:
             self.metrics.sample()
-        for request_id, active in self._active.items():
+        for (model, request_id), active in self._active.items():
             # Said as soon as the prefill begins: streams open (and ping) while a long one runs.
-            if not active.started and (counts := engine.prompt_started(request_id)):
+            if model == name and not active.started and (
+                    counts := engine.prompt_started(request_id)):
                 active.started = True
                 active.job.push(Started(*counts))
 
-    def _deliver(self, request_id: int, active: _Active, response: GenerationResponse) -> None:
+    def _deliver(self, name: str, request_id: int, active: _Active,
+                 response: GenerationResponse) -> None:
         job = active.job
         if not active.started:
             active.started = True
@@ -566,8 +570,8 @@ class ModelWorker:
         if not hit and (tail := active.stops.flush()):
             job.push(self._delta(active, tail))
         if hit:
-            self._engine.cancel(request_id)  # it leaves (and stores its caches) next step
-        del self._active[request_id]
+            self._engines[name].cancel(request_id)  # it leaves (and stores its caches) next step
+        del self._active[name, request_id]
         self._ended(job, "done", response.stats)
         done = _done(reason, response.stats, len(job.prompt), active.stops.matched)
         log.info("'%s': %d prompt tokens (%d cached), %d generated, %.1f tokens/s, mean "
@@ -593,8 +597,7 @@ class ModelWorker:
         return out
 
     def _count(self) -> None:
-        engine = self._engine
-        running = len(engine.running_ids) if engine is not None else 0
+        running = sum(len(e.running_ids) for e in self._engines.values())
         self.running = running
         self.waiting = len(self._active) - running + len(self._backlog) + self._jobs.qsize()
 
@@ -603,9 +606,9 @@ class ModelWorker:
         job.push(Failed(error if isinstance(error, str) else f"{type(error).__name__}: {error}"))
 
     def _fail_all(self, message: str) -> None:
-        running = set(self._engine.running_ids) if self._engine is not None else set()
-        for request_id in running & set(self._active):
-            self._active[request_id].job.outcome = "cancelled"
+        running = {(n, i) for n, e in self._engines.items() for i in e.running_ids}
+        for key in running & set(self._active):
+            self._active[key].job.outcome = "cancelled"
         jobs = [a.job for a in self._active.values()] + list(self._backlog)
         while not self._jobs.empty():
             jobs.append(self._jobs.get_nowait())
@@ -617,7 +620,7 @@ class ModelWorker:
             elif job is not None and not job.cancelled.is_set():
                 job.cancel()
                 job.push(Failed(message))
-        self._engine = self._model = None
+        self._engines.clear()
         self.running = self.waiting = 0
 
 

@@ -58,8 +58,8 @@ function renderModels(stats) {
     const m = stats.models[name];
     const cache = Object.entries(m.prefix_cache || {}).map(([k, v]) => k + " " + bytes(v)).join(", ");
     let now = m.decoding ? "decoding" : "";
-    if (m.decoding && stats.last_pass) now += ` (${stats.last_pass[0]} rows x ${stats.last_pass[1]} tokens)`;
-    return [name, m.loaded ? "yes" : "no", m.drafter || "none (target alone)",
+    if (m.decoding && m.last_pass) now += ` (${m.last_pass[0]} rows x ${m.last_pass[1]} tokens)`;
+    return [name, m.loaded ? (m.pinned ? "yes, pinned" : "yes") : "no", m.drafter || "none (target alone)",
             m.block_size || "auto", m.context, bytes(m.weights_bytes), cache || "-", now];
   }));
   const select = $("chat-model");
