@@ -47,3 +47,18 @@ def test_the_command_runs_and_exits_by_what_it_found(tmp_path):
     assert "kernels:" in run.stdout and "blas:" in run.stdout
     failed = "FAIL" in run.stdout
     assert (run.returncode == 1) == failed
+
+
+def test_a_pair_is_reported_with_its_pass_costs_and_the_schedulers_choice(tmp_path,
+                                                                         monkeypatch):
+    from tiny import make_drafter, make_target
+
+    from mlx_dflash.drafters.base import LookupDrafts
+
+    monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path))
+    model = make_target("qwen3", seed=2)
+    found = doctor.check_pair(model, make_drafter(model, block_size=4), "tiny")
+    assert [f.check for f in found] == ["pair"] * 3
+    assert all("a verify of 2 tokens" in f.detail and "drafts" in f.detail for f in found)
+    assert "nothing is drafted" in doctor.check_pair(model, None, "alone")[0].detail
+    assert "lookup drafts only" in doctor.check_pair(model, LookupDrafts(), "lookups")[0].detail
