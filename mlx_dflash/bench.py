@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
+from .drafters.base import LookupDrafts, verify_width
 from .decode import stream_generate
 from .prompts import read_prompts
 from .target import as_target
@@ -127,7 +128,8 @@ def run_bench(
         variants.update({f"{B}+copy": (B, {"block_size": B, "copy_drafts": True})
                          for B in block_sizes})
     if auto:
-        variants["auto"] = (drafter.max_drafts + 1, {})
+        variants["auto"] = (verify_width(drafter) if isinstance(drafter, LookupDrafts)
+                            else drafter.max_drafts + 1, {})
     total = sum(len(p) for p in prompt_sets.values()) * (1 + len(variants))
     bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
     for domain, prompts in prompt_sets.items():

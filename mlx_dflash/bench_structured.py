@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from .bench import _plain, _speculative
-from .drafters.base import verify_width
+from .drafters.base import drafting, verify_width
 from .grammar import Grammar, Matcher
 from .schedule import cached_costs
 from .target import as_target
@@ -114,7 +114,7 @@ def run_structured_bench(model: Any, drafter: Any, tokenizer: Any, tasks: Sequen
     from . import _blas
 
     target = as_target(model)
-    cached_costs(target, drafter, verify_width(drafter))  # timed before any clock
+    cached_costs(target, drafting(drafter), verify_width(drafter))  # timed before any clock
     variants = ("plain", "plain+schema", "auto", "auto+schema")
     totals = {v: {"tokens": 0, "seconds": 0.0, "cycles": 0, "forced": 0, "valid": 0,
                   "equal_to_plain_schema": 0} for v in variants}

@@ -373,11 +373,11 @@ def stream_generate_cached(
     ``stream_generate`` (it must accept ``prompt_cache``).
     """
     tokens = encode_prompt(tokenizer, prompt)
-    # As stream_generate does: nothing to draft, no context to keep.
-    drafter = drafting(drafter, kwargs.get("block_size"), kwargs.get("schedule", True))
+    # As stream_generate does: nothing to draft (or lookups only), no drafter context to keep.
+    context_drafter = drafting(drafter, kwargs.get("block_size"), kwargs.get("schedule", True))
     tic = time.perf_counter()
     pair, cached = continue_from(
-        store, tokens, as_target(model), drafter, take=take,
+        store, tokens, as_target(model), context_drafter, take=take,
         checkpoints=checkpoints if kwargs.get("max_tokens", 1) > 0 else None,
         step=kwargs.get("prefill_step_size", DEFAULT_PREFILL_STEP),
         progress=kwargs.get("prompt_progress"))

@@ -188,3 +188,18 @@ def test_the_server_serves_a_target_with_lookups_only():
             "model": "m", "prompt": prompt, "max_tokens": 30, "temperature": 0}).json()
     want, _ = reference(model, tok.encode(prompt), 30)
     assert r["choices"][0]["text"] == tok.decode(want)
+
+
+def test_lookups_only_through_the_prefix_cache():
+    from mlx_dflash import PrefixCache, stream_generate_cached
+
+    model = make_target("qwen3", seed=2)
+    tok = make_tokenizer(model.args.vocab_size)
+    base = np.random.default_rng(1).integers(3, model.args.vocab_size, size=30).tolist()
+    prompt = base + base[:15]
+    store = PrefixCache(1 << 30)
+    got, last = [], None
+    for last in stream_generate_cached(store, model, LookupDrafts(), tok, prompt, max_tokens=30):
+        got += last.tokens
+    assert got == reference(model, prompt, 30)[0]
+    assert last.stats.copy_cycles > 0 and last.stats.drafter == "lookup drafts only"

@@ -110,7 +110,7 @@ def chat(
 
     from .. import distributed
     from ..decode import stream_generate_cached
-    from ..drafters.base import verify_width
+    from ..drafters.base import drafting, verify_width
     from ..prefix_cache import PrefixCache
 
     distributed.init()
@@ -129,7 +129,8 @@ def chat(
         from ..tree import TREE_MAX
 
         # trees verify up to TREE_MAX + 1 tokens: their passes are timed that far
-        costs = cached_costs(as_target(target), draft, max(B, TREE_MAX + 1) if tree else B)
+        costs = cached_costs(as_target(target), drafting(draft, block_size),
+                             max(B, TREE_MAX + 1) if tree else B)
         if speak:
             typer.echo(f"  target 1-token pass {costs.verify(1, 128) * 1e3:.1f} ms, {B}-token "
                        f"pass {costs.verify(B, 128) * 1e3:.1f} ms; drafter pass "
