@@ -122,17 +122,8 @@ def tiny_model(tiny_tokenizer: Tokenizer) -> Model:
     return model
 
 
-def _write_gguf(
-    path: Path,
-    model: Model,
-    tok: Tokenizer,
-    *,
-    arch: str = "llama",
-    tied: bool = False,
-    qtypes: dict[str, GGMLQuantizationType] | None = None,
-) -> None:
-    """Write ``model`` the way llama.cpp's convert_hf_to_gguf.py would."""
-    a = model.args
+def gguf_writer(path: Path, arch: str, a) -> tuple[GGUFWriter, int]:
+    """A writer with the hyperparameters every architecture has, and the head size."""
     head_dim = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
     w = GGUFWriter(str(path), arch)
     w.add_block_count(a.num_hidden_layers)
@@ -144,6 +135,21 @@ def _write_gguf(
     w.add_layer_norm_rms_eps(a.rms_norm_eps)
     w.add_rope_freq_base(a.rope_theta)
     w.add_rope_dimension_count(head_dim)
+    return w, head_dim
+
+
+def _write_gguf(
+    path: Path,
+    model: Model,
+    tok: Tokenizer,
+    *,
+    arch: str = "llama",
+    tied: bool = False,
+    qtypes: dict[str, GGMLQuantizationType] | None = None,
+) -> None:
+    """Write ``model`` the way llama.cpp's convert_hf_to_gguf.py would."""
+    a = model.args
+    w, head_dim = gguf_writer(path, arch, a)
     if arch == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)

@@ -21,6 +21,7 @@ from test_convert_gguf import (
     SPECIALS,
     _logits,
     _permute,
+    gguf_writer,
     make_tiny_tokenizer,
 )
 
@@ -114,19 +115,9 @@ def random_model(arch: str, vocab: int):
 def write_gguf(path: Path, arch: str, model, tok, spm: bool, space_prefix: bool = False) -> None:
     """``model`` and ``tok`` as llama.cpp's convert_hf_to_gguf.py writes them for ``arch``."""
     a = model.args
-    head_dim = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
-    w = GGUFWriter(str(path), arch)
-    w.add_block_count(a.num_hidden_layers)
-    w.add_context_length(256)
-    w.add_embedding_length(a.hidden_size)
-    w.add_feed_forward_length(a.intermediate_size)
-    w.add_head_count(a.num_attention_heads)
-    w.add_head_count_kv(a.num_key_value_heads)
-    w.add_layer_norm_rms_eps(a.rms_norm_eps)
-    w.add_rope_freq_base(a.rope_theta)
+    w, head_dim = gguf_writer(path, arch, a)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
     if arch == "gemma3":
         w.add_sliding_window(a.sliding_window)
     if arch == "qwen3moe":

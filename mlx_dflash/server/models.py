@@ -148,7 +148,8 @@ def lazy_model(name: str, load: Loader, *, block_size: int | None = None,
     config = json.loads((Path(path) / "config.json").read_text())
     context = max_context or context_of(config)
     vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    served = ServedModel(name, load_tokenizer(Path(path)), context, vocab, block_size, load,
+    tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))  # as mlx-lm
+    served = ServedModel(name, tokenizer, context, vocab, block_size, load,
                          template_kwargs=dict(template_kwargs or {}),
                          drafter_label="not loaded yet")
     served.need_bytes = weights_on_disk(Path(path)) + cache_bytes_per_token(config) * context
