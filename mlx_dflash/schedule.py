@@ -178,7 +178,7 @@ def _sizes(max_tokens: int) -> tuple[int, ...]:
     return tuple(n for n in SIZES if n < max_tokens) + (max_tokens,)
 
 
-def measure_costs(target: Target, drafter: Drafter, max_tokens: int, reps: int = 5,
+def measure_costs(target: Target, drafter: Drafter | None, max_tokens: int, reps: int = 5,
                   contexts: tuple[int, ...] = CONTEXTS) -> PassCosts:
     """Best-of-``reps`` time of a target pass of 1..max_tokens tokens at each context length,
     and of one drafter pass, all timed in turn within each round (``best_times``)."""
@@ -193,7 +193,7 @@ def measure_costs(target: Target, drafter: Drafter, max_tokens: int, reps: int =
                      _sizes(max_tokens), step, [measured[c][1] for c in contexts])
 
 
-def _cache_file(target: Target, drafter: Drafter, max_tokens: int) -> Path:
+def _cache_file(target: Target, drafter: Drafter | None, max_tokens: int) -> Path:
     # "interleaved": snapshots timed pass after pass (before best_times) are measured anew.
     split = [f"ranks{distributed.group().size()}"] if distributed.group() is not None else []
     key = json.dumps(["propose", "interleaved", target_fingerprint(target),
@@ -254,7 +254,7 @@ def contexts_for(reach: int) -> tuple[int, ...]:
     return tuple(contexts)
 
 
-def cached_costs(target: Target, drafter: Drafter, max_tokens: int, reach: int = 0
+def cached_costs(target: Target, drafter: Drafter | None, max_tokens: int, reach: int = 0
                  ) -> PassCosts:
     """The pass costs for this model pair and machine, measured on first use (a few seconds)
     at the contexts a request reaching ``reach`` tokens needs (``contexts_for``; more when the
