@@ -9,8 +9,10 @@ equals the target's own (greedy: token for token; sampled: in distribution).
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Callable, Generator, Sequence
 
 import mlx.core as mx
@@ -170,15 +172,12 @@ class TextStream:
         room = self.max_tokens - self.stats.generation_tokens
         if len(tokens) >= room and reason is None:
             tokens, reason = tokens[:room], "length"
-        origins = origins or [TARGET] * len(tokens)
         self.pieces = []
-        start = 0
-        for end in range(1, len(tokens) + 1):  # the text of each run of one origin
-            if end == len(tokens) or origins[end] != origins[start]:
-                for tok in tokens[start:end]:
-                    self.detokenizer.add_token(tok)
-                self.pieces.append((origins[start], self.detokenizer.last_segment))
-                start = end
+        runs = itertools.groupby(zip(origins or [TARGET] * len(tokens), tokens), itemgetter(0))
+        for origin, run in runs:  # the text of each run of tokens of one origin
+            for _, tok in run:
+                self.detokenizer.add_token(tok)
+            self.pieces.append((origin, self.detokenizer.last_segment))
         stats = self.stats
         stats.generation_tokens += len(tokens) + (reason == "stop")
         stats.generation_tps = stats.generation_tokens / max(time.perf_counter() - self.tic, 1e-9)

@@ -96,22 +96,18 @@ class BlockPolicy:
         measured on first use (then cached per model pair and machine) as far as the request
         ``reach``-es (its prompt and most tokens); ``size_trees``: a tree sizer too (its pass
         costs measured up to TREE_MAX + 1 tokens)."""
-        if drafter is None:  # the target alone, or lookups only (LookupDrafts: a wider width)
-            if width == 1 or not copy_drafts:
-                return cls(width, drafts=False)
-            scheduler = (Scheduler(cached_costs(target, None, width, reach), width - 1,
-                                   bytes_per_verified_token(target), drafts=False)
-                         if schedule else None)
-            return cls(width, CopyIndex(list(tokens), copy_ngram, COPY_LONGEST), None,
-                       scheduler, drafts=False)
+        drafts = drafter is not None  # else the target alone, or lookups only (a wider width)
+        if not drafts and (width == 1 or not copy_drafts):
+            return cls(width, drafts=False)
         scheduler = sizer = None
         if schedule:
             scheduler = Scheduler(cached_costs(target, drafter, width, reach), width - 1,
-                                  bytes_per_verified_token(target))
-        if size_trees:
+                                  bytes_per_verified_token(target), drafts=drafts)
+        if size_trees and drafts:
             sizer = TreeSizer(cached_costs(target, drafter, TREE_MAX + 1, reach))
         index = CopyIndex(list(tokens), copy_ngram, COPY_LONGEST) if copy_drafts else None
-        return cls(width, index, drafter.ngram if copy_drafts else None, scheduler, sizer)
+        ngram = drafter.ngram if copy_drafts and drafts else None
+        return cls(width, index, ngram, scheduler, sizer, drafts)
 
     def choose(self, room: int, context: int, may_look_up: bool = True
                ) -> tuple[int, list[int], str]:

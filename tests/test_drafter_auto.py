@@ -108,7 +108,7 @@ def test_offline_a_published_drafter_not_here_is_named_with_its_fetch_command(
         table, tiny_pair, monkeypatch):
     model, target_dir, _ = tiny_pair
     table("acme/tiny-target", shape_of(target_dir), "acme/not-downloaded")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # HF_HUB_OFFLINE=1
     drafter, choice = pub.choose("acme/tiny-target", target_dir, model)
     assert isinstance(drafter, LookupDrafts)
     assert "hf download acme/not-downloaded" in choice.reason

@@ -15,7 +15,7 @@ def models(
 ) -> None:
     """The table of published target/drafter pairs (which `--drafter auto` matches by hub id
     or by shape), whether each drafter is on this machine, and the targets converted here."""
-    from ..drafters.published import published, table_rows
+    from ..drafters.published import table_rows
     from ..drafters.shipped import shipped_drafters
     from ..paths import cache_root
 
@@ -27,11 +27,11 @@ def models(
         typer.echo(json.dumps({"published": rows, "shipped_drafters": shipped_drafters(),
                                "converted_targets": converted}, indent=1))
         return
-    width = max(len(p.target) for p in published())
-    dwidth = max(len(p.drafter) for p in published())
+    width = max(len(r["target"]) for r in rows)
+    dwidth = max(len(r["drafter"]) for r in rows)
     typer.echo(f"{'target':{width}}  {'drafter':{dwidth}}  {'family':8} {'source':10} here")
-    for r, p in zip(rows, published()):
-        here = "yes" if r["cached"] else f"no: {p.fetch_command}"
+    for r in rows:
+        here = "yes" if r["cached"] else f"no: {r['fetch']}"
         typer.echo(f"{r['target']:{width}}  {r['drafter']:{dwidth}}  {r['family']:8} "
                    f"{r['source']:10} {here}")
     typer.echo(f"\nShipped drafters: {', '.join(shipped_drafters()) or 'none'}")

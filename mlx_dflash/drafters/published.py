@@ -11,11 +11,12 @@ silent fallback.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from huggingface_hub import is_offline_mode
 
 from .shipped import drafter_dir
 
@@ -122,10 +123,6 @@ def candidates(model: str, model_dir: Path) -> tuple[list[Published], str, dict[
     return found, how, config
 
 
-def offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-
-
 def choose(model: str, model_dir: str | Path, target: Any) -> tuple[Any, Choice]:
     """``auto``'s drafter for ``target`` (loaded from ``model_dir``, named ``model``) and why:
     its MTP head, else each published drafter that fits in turn (one not cached while
@@ -142,7 +139,7 @@ def choose(model: str, model_dir: str | Path, target: Any) -> tuple[Any, Choice]
             MTP, "its checkpoint keeps a multi-token-prediction head (mtp.safetensors)")
     missed = []
     for entry in found:
-        if not entry.cached and offline():
+        if not entry.cached and is_offline_mode():
             missed.append(f"{entry.drafter} is not cached and the hub is offline (fetch it "
                           f"with `{entry.fetch_command}`)")
             continue
@@ -186,4 +183,4 @@ def describe(drafter: Any) -> str:
 def table_rows() -> list[dict[str, Any]]:
     """The table as `mlx-dflash models` prints it."""
     return [{"target": p.target, "drafter": p.drafter, "family": p.family, "source": p.source,
-             "cached": p.cached} for p in published()]
+             "cached": p.cached, "fetch": p.fetch_command} for p in published()]

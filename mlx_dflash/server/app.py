@@ -139,6 +139,12 @@ def create_app(
                            code="model_not_found")
         return found
 
+    def check_fit(name: str, param: str | None = None) -> None:
+        """A 507 naming the sizes when the model is not loaded and cannot be without swapping."""
+        if problem := pool.fit_problem(name, busy=worker.serving):
+            raise APIError(507, f"The model cannot be loaded: {problem}.", param=param,
+                           code="model_does_not_fit", type="server_error")
+
     def make_job(body: Any, model: ServedModel, prompt: ChatPrompt, param: str,
                  requested: int | None, requested_name: str, api: str = "openai",
                  grammar: Grammar | None = None) -> Job:
@@ -146,9 +152,7 @@ def create_app(
         the context ends), cut to the room the context leaves. ``api``: "openai" (a limit
         beyond the whole context is a 400, as OpenAI's chat API has it), "responses" or
         "anthropic" (always cut; agents ask for more than any local context)."""
-        if problem := pool.fit_problem(model.name, busy=worker.serving):
-            raise APIError(507, f"The model cannot be loaded: {problem}.", param="model",
-                           code="model_does_not_fit", type="server_error")
+        check_fit(model.name, param="model")
         ctx, n = model.context, len(prompt.ids)
         if api == "anthropic" and n >= ctx:  # Anthropic's wording: Claude Code's compaction
             raise APIError(400, f"prompt is too long: {n} tokens > {ctx - 1} maximum",
@@ -247,9 +251,7 @@ def create_app(
     async def load_model(model_id: str) -> dict[str, Any]:
         """Load the model now (after the fit check)."""
         name = served(model_id).name
-        if problem := pool.fit_problem(name, busy=worker.serving):
-            raise APIError(507, f"The model cannot be loaded: {problem}.",
-                           code="model_does_not_fit", type="server_error")
+        check_fit(name)
         await on_worker(lambda: worker.load_model(name))
         return model_card(name)
 
@@ -269,9 +271,7 @@ def create_app(
     async def pin_model(model_id: str) -> dict[str, Any]:
         """Keep the model loaded (loading it now if need be): never unloaded until unpinned."""
         model = served(model_id)
-        if problem := pool.fit_problem(model.name, busy=worker.serving):
-            raise APIError(507, f"The model cannot be loaded: {problem}.",
-                           code="model_does_not_fit", type="server_error")
+        check_fit(model.name)
         await on_worker(lambda: worker.load_model(model.name))
         model.pinned = True
         return model_card(model.name)

@@ -25,6 +25,7 @@ from ..drafters.base import drafting
 from ..fingerprint import pair_fingerprint
 from ..pair_cache import needs_checkpoints
 from ..prefix_cache import PrefixCache
+from ..schedule import memory_headroom
 from ..target import as_target
 
 log = logging.getLogger("mlx_dflash.server")
@@ -185,7 +186,7 @@ class ModelPool:
         self.default = names[0]
         self.max_bytes = max_bytes
         self.ttl = ttl  # seconds a model may sit idle before it is unloaded (None: forever)
-        self.headroom = headroom  # free memory (default schedule.memory_headroom)
+        self.headroom = headroom or memory_headroom  # bytes MLX may still allocate
         self.cache = cache or CacheSettings()
         self._lru: OrderedDict[str, None] = OrderedDict()  # loaded models, oldest use first
         self._lock = threading.Lock()
@@ -221,13 +222,7 @@ class ModelPool:
             return (f"'{served.name}' needs {_gib(need)} (weights and caches at its "
                     f"{served.context}-token context), more than --model-memory "
                     f"{_gib(self.max_bytes)}")
-        if self.headroom is None:
-            from ..schedule import memory_headroom
-
-            self.headroom = memory_headroom
-        freeable = sum(m.nbytes for n, m in self.models.items() if n in self._lru
-                       and n not in busy and not m.pinned and m.load is not None)
-        free = self.headroom() + freeable
+        free = self.headroom() + self._freeable(busy)
         if need > free:
             return (f"'{served.name}' needs {_gib(need)} (weights and caches at its "
                     f"{served.context}-token context) and {_gib(free)} can be had (free memory, "
@@ -253,16 +248,14 @@ class ModelPool:
         """Loaded, unpinned models idle for longer than the ttl."""
         if self.ttl is None:
             return []
-        return [n for n in self._lru if not self.models[n].pinned
-                and self.models[n].load is not None and self.models[n].loaded
+        return [n for n in self._unloadable() if self.models[n].loaded
                 and now - self.models[n].last_used >= self.ttl]
 
     def next_expiry(self, now: float) -> float | None:
         """Seconds until the next loaded model's idle time runs out (None: no ttl or none)."""
         if self.ttl is None:
             return None
-        times = [self.models[n].last_used + self.ttl - now for n in self._lru
-                 if not self.models[n].pinned and self.models[n].load is not None]
+        times = [self.models[n].last_used + self.ttl - now for n in self._unloadable()]
         return max(0.0, min(times)) if times else None
 
     def room_for(self, name: str, busy: set[str]) -> bool:
@@ -273,13 +266,17 @@ class ModelPool:
         held = sum(self.models[n].nbytes for n in busy if n in self._lru)
         if self.max_bytes is not None and held + served.need_bytes > self.max_bytes:
             return False
-        if self.headroom is None:
-            from ..schedule import memory_headroom
+        return self.headroom() + self._freeable(busy) >= served.need_bytes
 
-            self.headroom = memory_headroom
-        freeable = sum(m.nbytes for n, m in self.models.items() if n in self._lru
-                       and n not in busy and not m.pinned and m.load is not None)
-        return self.headroom() + freeable >= served.need_bytes
+    def _unloadable(self, protect: set[str] = frozenset()) -> list[str]:
+        """Loaded models that may be unloaded (not pinned, not given as objects, not in
+        ``protect``), least recently used first."""
+        return [n for n in self._lru if not self.models[n].pinned
+                and self.models[n].load is not None and n not in protect]
+
+    def _freeable(self, busy: set[str]) -> int:
+        """Bytes of weights that unloading the models without requests would free."""
+        return sum(self.models[n].nbytes for n in self._unloadable(busy))
 
     def acquire(self, name: str | None, protect: set[str] = frozenset()) -> ServedModel:
         """The model, loaded (run on the worker thread: loading runs MLX); the models in
@@ -308,12 +305,7 @@ class ModelPool:
     def _make_room(self, served: ServedModel, protect: set[str] = frozenset()) -> None:
         """Before a load: unload the least recently used unpinned models until the free memory
         holds what it needs (as far as they go)."""
-        if self.headroom is None:
-            from ..schedule import memory_headroom
-
-            self.headroom = memory_headroom
-        for name in [n for n in self._lru if not self.models[n].pinned
-                     and self.models[n].load is not None and n not in protect]:
+        for name in self._unloadable(protect):
             if self.headroom() >= served.need_bytes:
                 break
             self._unload(name, f"room for '{served.name}'")
@@ -322,8 +314,7 @@ class ModelPool:
         if self.max_bytes is None:
             return
         while sum(self.models[n].nbytes for n in self._lru) > self.max_bytes:
-            victims = [n for n in self._lru if n != keep and self.models[n].load is not None
-                       and not self.models[n].pinned and n not in protect]
+            victims = [n for n in self._unloadable(protect) if n != keep]
             if not victims:
                 break
             self._unload(victims[0])
