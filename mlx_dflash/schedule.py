@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from . import distributed
+from . import attention, distributed
 from .accept import SamplingParams
 from .drafters.base import Drafter
 from .fingerprint import target_fingerprint
@@ -200,7 +200,9 @@ def _cache_file(target: Target, drafter: Drafter | None, max_tokens: int) -> Pat
                       *(drafter.pass_key() if drafter is not None else ("no drafter",)),
                       max_tokens, platform.node(),
                       platform.machine(), mx.__version__, str(mx.default_device()),
-                      os.environ.get("MLX_DFLASH_FAST_BLAS", "1"), *split], sort_keys=True)
+                      os.environ.get("MLX_DFLASH_FAST_BLAS", "1"),
+                      "cpu attention" if attention.enabled() else "mlx attention", *split],
+                     sort_keys=True)
     name = hashlib.sha256(key.encode()).hexdigest()[:20]
     return cache_root() / "costs" / f"{name}.json"
 
