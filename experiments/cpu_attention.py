@@ -15,6 +15,7 @@ import ctypes
 import json
 import os
 import platform
+from pathlib import Path
 
 import mlx_dflash  # noqa: F401  (the fast BLAS, before mlx)
 import mlx.core as mx
@@ -30,6 +31,16 @@ def raise_malloc_thresholds(limit: int) -> None:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(M_MMAP_THRESHOLD, limit)
     libc.mallopt(M_TRIM_THRESHOLD, limit)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
@@ -64,8 +75,9 @@ def main() -> None:
                                            for k, t in zip(args.sizes, part)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-              "blas": mlx_dflash._blas.loaded_blas, "mlx": mx.__version__, "rows": rows}
+    result = {"machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.machine()}",
+              "blas": Path(mlx_dflash._blas.sgemm_provider() or "default").name,
+              "mlx": mx.__version__, "rows": rows}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

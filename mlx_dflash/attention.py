@@ -53,6 +53,10 @@ def _shifted_exp(scores: mx.array, row_max: mx.array) -> mx.array:
 
 _MLX_ATTENTION = mx.fast.scaled_dot_product_attention
 
+# Past this many scores (a prefill chunk's: thousands of queries) the passes over memory, not
+# exp, are the cost, and MLX's one softmax op makes fewer of them than this does.
+MOST_SCORES = 1 << 23
+
 
 def _grouped_mask(mask: mx.array, heads: int, kv_heads: int) -> mx.array:
     """A mask broadcastable to [B, heads, L, T] as one broadcastable to [B, kv, rep, L, T]."""
@@ -68,9 +72,16 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float,
               **kwargs: Any) -> mx.array:
     """``mx.fast.scaled_dot_product_attention`` (same arguments), with :func:`fast_exp` for
     float32 on the CPU."""
+    scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
     if (sinks is not None or kwargs or q.dtype != mx.float32 or k.dtype != mx.float32
-            or v.dtype != mx.float32):
+            or v.dtype != mx.float32 or scores > MOST_SCORES):
         return _MLX_ATTENTION(q, k, v, scale=scale, mask=mask, sinks=sinks, **kwargs)
+    return few_queries(q, k, v, scale, mask)
+
+
+def few_queries(q: mx.array, k: mx.array, v: mx.array, scale: float,
+                mask: None | str | mx.array) -> mx.array:
+    """The attention of float32 ``q`` [B, H, L, D] over ``k``, ``v`` [B, kv, T, D]."""
     B, H, L, D = q.shape
     kv_heads, T = k.shape[1], k.shape[2]
     rep = H // kv_heads

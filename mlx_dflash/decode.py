@@ -20,7 +20,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .accept import SamplingParams, sample_first, seeded
-from .grammar import Grammar, Matcher
+from .grammar import FORCED_REACH, Grammar, Matcher
 from .cycle import (
     COPY,
     DEFAULT_PREFILL_STEP,
@@ -295,7 +295,7 @@ def stream_generate(
                                            position=context)
                 return spec.tree_cycle(anchor, tree, position=context)
             return spec.cycle(anchor, K, block, source, position=context,
-                              room=min(width - 1, room))
+                              room=min(max(width - 1, FORCED_REACH), room))
 
         stats.cached_tokens = spec.cached
         tic = time.perf_counter()

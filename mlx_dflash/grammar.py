@@ -33,6 +33,12 @@ import numpy as np
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# A block's tokens at most where the grammar forces some: drafts stay within the drafter's
+# block, and forced tokens may follow them up to this many (the pass is wider, nothing is
+# chosen there: they are accepted whenever the drafts before them are).
+FORCED_REACH = 16
+
+
 class GrammarError(ValueError):
     """A grammar or schema the engine cannot compile; the message names what it cannot take."""
 

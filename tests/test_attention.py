@@ -55,6 +55,15 @@ def test_other_dtypes_and_sinks_are_mlx_own():
                           MLX(q, k, v, scale=0.25, sinks=sinks))
 
 
+def test_many_queries_are_mlx_own(monkeypatch):
+    """A prefill chunk's scores (past MOST_SCORES) go to MLX's one softmax op."""
+    q = mx.random.normal((1, 4, 8, 16))
+    k, v = mx.random.normal((1, 2, 8, 16)), mx.random.normal((1, 2, 8, 16))
+    monkeypatch.setattr(attention, "MOST_SCORES", 4 * 8 * 8 - 1)
+    assert mx.array_equal(attention.attention(q, k, v, scale=0.25, mask="causal"),
+                          MLX(q, k, v, scale=0.25, mask="causal"))
+
+
 def test_on_cpu_swaps_and_restores(monkeypatch):
     with attention.on_cpu():
         with attention.on_cpu():

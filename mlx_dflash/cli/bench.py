@@ -60,6 +60,8 @@ def bench(
     draft_window: List[int] = typer.Option([], "--draft-window", min=0, help="With "
                                            "--context: also run the drafter attending to this "
                                            "many last context positions; repeatable."),
+    kind: List[str] = typer.Option([], "--kind", help="With --context: only prompts of this "
+                                   "kind (code or chat; repeatable). Default: both."),
     prefill_compare: bool = typer.Option(True, "--prefill-compare/--no-prefill-compare",
                                          help="With --context: also time mlx-lm's prefill of "
                                          "the first prompt of each kind (one more prefill)."),
@@ -95,6 +97,11 @@ def bench(
     lengths = [parse_length(c) for c in context]
     if draft_window and not lengths:
         fail("--draft-window variants are part of the long-context bench (--context)")
+    if kind and not lengths:
+        fail("--kind chooses the long-context bench's prompts (--context)")
+    unknown = sorted(set(kind) - {"code", "chat"})
+    if unknown:
+        fail(f"--kind takes code or chat, got {', '.join(unknown)}")
     target, draft, tokenizer = load_pair(model, resolve_drafter(drafter) if drafter else None)
     if draft is None:
         fail("bench needs a drafter (--drafter)")
@@ -117,7 +124,8 @@ def bench(
         results = run_context_bench(target, draft, tokenizer, lengths, turns=turns,
                                     questions=questions, prompts=limit or 2,
                                     max_tokens=max_tokens, concurrency=concurrency,
-                                    windows=draft_window, compare_prefill=prefill_compare)
+                                    windows=draft_window, compare_prefill=prefill_compare,
+                                    kinds=tuple(kind) or ("code", "chat"))
         table = format_context_table
     elif concurrency:
         results = run_batch_bench(target, draft, tokenizer, sets, list(concurrency), max_tokens,
