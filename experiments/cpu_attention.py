@@ -3,6 +3,11 @@ glibc's default malloc thresholds and raised ones (MLX's CPU buffers come from m
 and unmaps big ones on every use, and each page of a fresh mapping faults once).
 
     python experiments/cpu_attention.py [--contexts 1024 4096 16384] [--out FILE.json]
+    python experiments/cpu_attention.py --crossover [--out FILE.json]
+
+``--crossover``: one layer's attention alone (the default target's 9 query and 3 key heads),
+MLX's against ``attention.few_queries``, from 8 to 2048 causal queries over 4k and 16k keys:
+where the second stops paying (attention.MOST_SCORES).
 
 Every configuration is timed in turn within each round (best of the rounds), over a KV cache
 stretched to each context (schedule.stretch), with the default pair.
@@ -43,13 +48,40 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def crossover(rounds: int) -> list[dict]:
+    rows = []
+    for keys in (4096, 16384):
+        k, v = (mx.random.normal((1, 3, keys, 64)) for _ in range(2))
+        for queries in (8, 32, 128, 512, 2048):
+            q = mx.random.normal((1, 9, queries, 64))
+            mx.eval(q, k, v)
+            mlx_s, ours_s = best_times([
+                lambda q=q, k=k, v=v: mx.eval(
+                    attention._MLX_ATTENTION(q, k, v, scale=0.125, mask="causal")),
+                lambda q=q, k=k, v=v: mx.eval(attention.few_queries(q, k, v, 0.125, "causal"))],
+                rounds)
+            row = {"keys": keys, "queries": queries, "scores": 9 * queries * keys,
+                   "mlx_ms": round(mlx_s * 1e3, 1), "ours_ms": round(ours_s * 1e3, 1)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--crossover", action="store_true")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.crossover:
+        result = {"machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.machine()}",
+                  "mlx": mx.__version__, "crossover": crossover(args.rounds)}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     model, drafter, _ = load_default(progress=False)
     target = Target(model)
     rows = []

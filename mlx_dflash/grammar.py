@@ -159,7 +159,7 @@ class Matcher:
     def allowed(self) -> np.ndarray:
         """The tokens the grammar allows next: a bool mask [vocab_size]."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        return np.unpackbits(bits, bitorder="little")[: self.vocab_size].view(np.bool_)
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Tokens committed to the reply (each chosen under this grammar's mask); those after

@@ -1,0 +1,52 @@
+"""How much of the structured bench's speedup is the CPU attention's: mlx-lm's plain
+constrained decoding (the bench's baseline, bench_structured._plain_constrained) with MLX's
+attention and with the attention the target's passes use on the CPU (attention.on_cpu),
+interleaved task by task, on the shipped extraction tasks.
+
+    python experiments/structured_plain_attention.py [--tasks 24] [-n 256] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import mlx_dflash  # noqa: F401  (the fast BLAS, before mlx)
+import mlx.core as mx
+from mlx_dflash import Grammar, attention, load_default
+from mlx_dflash.bench_structured import _plain_constrained, read_tasks, task_prompt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tasks", type=int, default=24)
+    ap.add_argument("-n", type=int, default=256)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    model, _, tokenizer = load_default(progress=False)
+    totals = {"mlx": [0, 0.0], "ours": [0, 0.0]}
+    equal = 0
+    for task in read_tasks()[: args.tasks]:
+        prompt, grammar = task_prompt(tokenizer, task), Grammar.json_schema(task["schema"])
+        mlx_out, mlx_s = _plain_constrained(model, tokenizer, prompt, grammar, args.n)
+        with attention.on_cpu():
+            ours_out, ours_s = _plain_constrained(model, tokenizer, prompt, grammar, args.n)
+        equal += mlx_out == ours_out
+        totals["mlx"][0] += len(mlx_out)
+        totals["mlx"][1] += mlx_s
+        totals["ours"][0] += len(ours_out)
+        totals["ours"][1] += ours_s
+        print(f"{task['name']}: {len(mlx_out)} tok, MLX's attention {mlx_s:.2f}s, ours "
+              f"{ours_s:.2f}s, equal {mlx_out == ours_out}", flush=True)
+    tps = {k: t / s for k, (t, s) in totals.items()}
+    result = {"mlx": mx.__version__, "tasks": args.tasks, "max_tokens": args.n,
+              "tokens_per_s": tps, "ours_vs_mlx": tps["ours"] / tps["mlx"],
+              "replies_equal": equal}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
