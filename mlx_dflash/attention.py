@@ -10,8 +10,10 @@ by the row sums after the value product (64 numbers a row instead of a row of ke
 
 The target's passes build their graph inside :func:`on_cpu`, which swaps it in for
 ``mx.fast.scaled_dot_product_attention`` while the layers are called (mlx-lm's attention
-modules call that function by name). It applies to float32 inputs without attention sinks on
-the CPU; everything else goes to MLX's. ``MLX_DFLASH_CPU_ATTENTION=0`` turns it off.
+modules call that function by name). It applies to passes of a few queries (at most
+``MOST_SCORES`` scores: decode, verify, trees, a batch's blocks) in float32 without attention
+sinks on the CPU; everything else (a prefill chunk, other dtypes) goes to MLX's.
+``MLX_DFLASH_CPU_ATTENTION=0`` turns it off.
 """
 
 from __future__ import annotations
