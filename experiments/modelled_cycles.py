@@ -47,7 +47,7 @@ def main() -> None:
     for i in range(n):
         tokens = (code_prompt(tok, length, i) if kind == "code"
                   else chat_prompt(tok, length, i, turns, questions))
-        pair, _ = prefilled(model, drafter, tokens)
+        pair, _, _ = prefilled(model, drafter, tokens)
         plain_s = None
         if not os.environ.get("NOPLAIN"):
             ref, plain_s = _plain(model, tok, tokens[-1:], 128, list(pair.fork().target))

@@ -1,5 +1,5 @@
 """How much of the structured bench's speedup is the CPU attention's: mlx-lm's plain
-constrained decoding (the bench's baseline, bench_structured._plain_constrained) with MLX's
+constrained decoding (the bench's baseline, bench_structured._plain with a grammar) with MLX's
 attention and with the attention the target's passes use on the CPU (attention.on_cpu),
 interleaved task by task, on the shipped extraction tasks.
 
@@ -14,7 +14,7 @@ import json
 import mlx_dflash  # noqa: F401  (the fast BLAS, before mlx)
 import mlx.core as mx
 from mlx_dflash import Grammar, attention, load_default
-from mlx_dflash.bench_structured import _plain_constrained, read_tasks, task_prompt
+from mlx_dflash.bench_structured import _plain, read_tasks, task_prompt
 
 
 def main() -> None:
@@ -28,9 +28,9 @@ def main() -> None:
     equal = 0
     for task in read_tasks()[: args.tasks]:
         prompt, grammar = task_prompt(tokenizer, task), Grammar.json_schema(task["schema"])
-        mlx_out, mlx_s = _plain_constrained(model, tokenizer, prompt, grammar, args.n)
+        mlx_out, mlx_s, _ = _plain(model, tokenizer, prompt, grammar, args.n)
         with attention.on_cpu():
-            ours_out, ours_s = _plain_constrained(model, tokenizer, prompt, grammar, args.n)
+            ours_out, ours_s, _ = _plain(model, tokenizer, prompt, grammar, args.n)
         equal += mlx_out == ours_out
         totals["mlx"][0] += len(mlx_out)
         totals["mlx"][1] += mlx_s

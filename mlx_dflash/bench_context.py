@@ -50,10 +50,11 @@ def _template(tokenizer: Any, messages: list[dict]) -> list[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def code_prompt(tokenizer: Any, length: int, index: int) -> list[int]:
+def code_prompt(tokenizer: Any, length: int, index: int, question: int | None = None
+                ) -> list[int]:
     """About ``length`` tokens: module sources (from the ``index``-th on) cut at a line, then a
-    question about them."""
-    question = CODE_QUESTIONS[index % len(CODE_QUESTIONS)]
+    question about them (the ``question``-th; default the ``index``-th)."""
+    question = CODE_QUESTIONS[(index if question is None else question) % len(CODE_QUESTIONS)]
     room = length - len(_template(tokenizer, [{"role": "user", "content": question}])) - 8
     lines: list[str] = []
     used = 0
@@ -74,10 +75,12 @@ def code_prompt(tokenizer: Any, length: int, index: int) -> list[int]:
 
 
 def chat_prompt(tokenizer: Any, length: int, index: int, turns: Sequence[tuple[str, str]],
-                questions: Sequence[str]) -> list[int]:
+                questions: Sequence[str], question: int | None = None) -> list[int]:
     """About ``length`` tokens: earlier (question, answer) turns from ``turns`` (from the
-    ``index``-th on, as many as fit), then a new question."""
-    last = {"role": "user", "content": questions[index % len(questions)]}
+    ``index``-th on, as many as fit), then a new question (the ``question``-th; default the
+    ``index``-th)."""
+    last = {"role": "user", "content": questions[(index if question is None else question)
+                                                 % len(questions)]}
     messages: list[dict] = []
     start = (index * 97) % len(turns)
     used = len(_template(tokenizer, [last]))
@@ -103,18 +106,23 @@ def read_turns(path: str | Path) -> list[tuple[str, str]]:
     return turns
 
 
-def prefilled(model: Any, drafter: Any, tokens: list[int]) -> tuple[PairCache, float]:
-    """The pair holding all of ``tokens`` but the last (target and drafter context), and the
-    seconds its prefill took."""
+def prefilled(model: Any, drafter: Any, tokens: list[int], base: PairCache | None = None
+              ) -> tuple[PairCache, int, float]:
+    """The pair holding all of ``tokens`` but the last (target and drafter context), continued
+    from what ``base`` holds of them; the tokens prefilled and the seconds that took."""
     target = as_target(model)
     pair = PairCache()
-    pair.begin(tokens, target, drafter)
+    if base is not None:
+        shared = next((i for i, (a, b) in enumerate(zip(base.tokens, tokens)) if a != b),
+                      min(len(base.tokens), len(tokens)))
+        pair = base.fork(keep=min(shared, len(tokens) - 2))
+    done = pair.begin(tokens, target, drafter)
     tic = time.perf_counter()
-    prefill(target, tokens[:-1], pair.target, drafter, pair.drafter)
+    prefill(target, tokens[done:-1], pair.target, drafter, pair.drafter)
     mx.eval([c.state for c in pair.layers])
     seconds = time.perf_counter() - tic
     pair.hold(tokens[:-1])
-    return pair, seconds
+    return pair, len(tokens) - 1 - done, seconds
 
 
 def mlx_lm_prefill_tps(model: Any, tokenizer: Any, tokens: list[int]) -> float:
@@ -171,12 +179,15 @@ def run_context_bench(model: Any, drafter: Any, tokenizer: Any, lengths: Sequenc
                       turns: Sequence[tuple[str, str]], questions: Sequence[str],
                       prompts: int = 2, max_tokens: int = 128, concurrency: Sequence[int] = (),
                       windows: Sequence[int] = (), kinds: Sequence[str] = ("code", "chat"),
-                      compare_prefill: bool = True, progress: bool = True) -> dict:
+                      compare_prefill: bool = True, shared_context: bool = False,
+                      progress: bool = True) -> dict:
     """Per context length and kind: plain mlx-lm decoding, our default settings ("auto") and
     the same with the drafter's context window at each of ``windows``, on ``prompts`` prompts
     interleaved; with ``concurrency`` c, groups of c prompts through our batch engine with and
-    without the drafter. Pass costs at each length; prefill tokens/s, ours and (with
-    ``compare_prefill``: one more prefill of the first prompt) mlx-lm's."""
+    without the drafter. Pass costs at each length; the first prompt's prefill tokens/s, ours
+    and (with ``compare_prefill``: one more prefill of it) mlx-lm's. With
+    ``shared_context`` a kind's prompts share their long part (one source text or chat
+    history, prefilled once) and differ in the last question, as an agent's requests do."""
     from . import _blas
 
     width = verify_width(drafter)  # what stream_generate and the batch engine time
@@ -186,6 +197,7 @@ def run_context_bench(model: Any, drafter: Any, tokenizer: Any, lengths: Sequenc
                     "blas": Path(_blas.sgemm_provider() or "default").name},
         "settings": {"max_tokens": max_tokens, "lengths": list(lengths), "prompts": prompts,
                      "concurrency": list(concurrency), "windows": list(windows),
+                     "shared_context": shared_context,
                      "greedy": True, "dtype": str(model.model.embed_tokens.weight.dtype)},
         "lengths": {},
     }
@@ -204,18 +216,24 @@ def run_context_bench(model: Any, drafter: Any, tokenizer: Any, lengths: Sequenc
             "pass_costs": pass_costs(model, drafter, length, width, windows)}
         for kind in kinds:
             n = max(prompts, *concurrency) if concurrency else prompts
-            toks = [code_prompt(tokenizer, length, i) if kind == "code" else
-                    chat_prompt(tokenizer, length, i, turns, questions) for i in range(n)]
-            pairs, prefill_s = [], []
+            source = (lambda i: 0) if shared_context else (lambda i: i)
+            toks = [code_prompt(tokenizer, length, source(i), i) if kind == "code" else
+                    chat_prompt(tokenizer, length, source(i), turns, questions, i)
+                    for i in range(n)]
+            pairs, prefill_n, prefill_s = [], [], []
             for t in toks:
-                pair, s = prefilled(model, drafter, t)
+                pair, done, s = prefilled(model, drafter, t, pairs[0] if shared_context and pairs
+                                          else None)
                 pairs.append(pair)
+                prefill_n.append(done)
                 prefill_s.append(s)
                 if progress:
-                    print(f"[{kind} {length}] prefilled {len(t)} tokens in {s:.1f} s", flush=True)
+                    print(f"[{kind} {length}] prefilled {done} of {len(t)} tokens in {s:.1f} s",
+                          flush=True)
             row: dict[str, Any] = {
                 "prompt_tokens_mean": sum(map(len, toks)) / len(toks),
-                "prefill_tps": sum(len(t) - 1 for t in toks) / sum(prefill_s),
+                "prefill_tps": prefill_n[0] / prefill_s[0],
+                "prefilled_tokens": prefill_n,
                 "mlx_lm_prefill_tps": (mlx_lm_prefill_tps(model, tokenizer, toks[0])
                                        if compare_prefill else None),
             }

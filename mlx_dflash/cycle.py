@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .accept import SamplingParams, accept_block, point_mass
-from .drafters.base import Drafter, Proposal
+from .drafters.base import Drafter, Proposal, grow_trees, propose_all
 from .grammar import Matcher, apply_masks, constrain_proposal, constrain_tree
 from .pair_cache import PairCache
 from .target import Target
@@ -189,8 +189,8 @@ class Speculator:
         if num_drafts == 0:
             return Proposal(mx.zeros((0,), dtype=mx.uint32))
         self.catch_up()
-        return self.drafter.propose(self.target, anchor, self.draft_cache, self.width,
-                                    num_drafts, self.params)
+        return propose_all(self.drafter, self.target, [anchor], [self.draft_cache], self.width,
+                           [num_drafts], [self.params])[0]
 
     def verify(self, anchor: mx.array, proposal: Proposal, source: str = DRAFTER,
                position: int = 0, masks: mx.array | None = None) -> Cycle:
@@ -226,9 +226,9 @@ class Speculator:
     def grow_tree(self, anchor: mx.array, size: int) -> LazyTree:
         """The drafter's ``size`` likeliest nodes below ``anchor``, chosen on the device."""
         self.catch_up()
-        grown = self.drafter.grow_tree(self.target, anchor, self.draft_cache, self.width,
-                                       tree_beam(size, self.drafter.max_drafts))
-        return select_tree(*grown, size)
+        grown = grow_trees(self.drafter, self.target, [anchor], [self.draft_cache], self.width,
+                           tree_beam(size, self.drafter.max_drafts))
+        return select_tree(*grown[0], size)
 
     def verify_tree(self, anchor: mx.array, tree: DraftTree, source: str = TREE,
                     position: int = 0) -> TreeCycle:

@@ -28,7 +28,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from . import attention, distributed
 from .accept import SamplingParams
-from .drafters.base import Drafter
+from .drafters.base import Drafter, propose_all
 from .fingerprint import target_fingerprint
 from .paths import cache_root
 from .target import Target, each_part, head_dim
@@ -121,7 +121,8 @@ def snapshot_passes(target: Target, drafter: Drafter | None, context: int, max_t
 
     def draft_pass(k: int) -> None:
         anchor = mx.zeros((1,), dtype=mx.uint32)
-        proposal = drafter.propose(target, anchor, draft_cache, max_tokens, k, SamplingParams())
+        proposal = propose_all(drafter, target, [anchor], [draft_cache], max_tokens, [k],
+                               [SamplingParams()])[0]  # as the decode loop builds it
         mx.eval(proposal.drafts)  # the walk too (DSpark, DFlash 2)
 
     passes = [lambda n=n: target_pass(n) for n in (sizes or _sizes(max_tokens))]
@@ -527,7 +528,6 @@ def measure_draft_ratios(target: Target, drafter: Drafter, max_tokens: int, reps
                          ) -> dict[int, float]:
     """One drafter pass for ``rows`` requests (``propose_all``) over one for one request, at
     ``BATCH_CONTEXT``, for ``BATCH_ROWS``."""
-    from .drafters.base import propose_all
 
     tokens = mx.zeros((1, BATCH_CONTEXT), dtype=mx.uint32)
     _, feats = target.hidden_states(tokens, target.make_cache(), drafter.target_layer_ids)

@@ -88,3 +88,33 @@ def test_target_passes_use_it_and_stay_close_to_mlx(monkeypatch):
     monkeypatch.setenv(attention.ENV_SWITCH, "0")
     off, _ = target.forward(tokens, target.make_cache())
     assert mx.array_equal(off, mlx_own)
+
+
+def test_drafter_passes_use_it(monkeypatch):
+    """The decode loop's drafter passes (propose_all, grow_trees) are built with this attention
+    too; their drafts equal those with MLX's attention."""
+    from tiny import make_drafter
+
+    from mlx_dflash.accept import SamplingParams
+    from mlx_dflash.cycle import prefill
+    from mlx_dflash.drafters.base import propose_all
+
+    model = make_target("qwen3")
+    target = Target(model)
+    drafter = make_drafter(model)
+    cache, draft_cache = target.make_cache(), drafter.make_cache()
+    prefill(target, [5, 9, 2, 7, 3, 11, 4, 8], cache, drafter, draft_cache)
+    calls = []
+    real = attention.few_queries
+    monkeypatch.setattr(attention, "few_queries", lambda *a: calls.append(1) or real(*a))
+
+    def drafts() -> list[int]:
+        anchor = mx.array([6], dtype=mx.uint32)
+        proposal = propose_all(drafter, target, [anchor], [draft_cache], 4, [3],
+                               [SamplingParams()])[0]
+        return proposal.drafts.tolist()
+
+    ours = drafts()
+    assert calls
+    monkeypatch.setenv(attention.ENV_SWITCH, "0")
+    assert drafts() == ours

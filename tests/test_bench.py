@@ -102,6 +102,29 @@ def test_context_bench_on_tiny_pair():
     assert "| code | auto+window16 |" in format_context_table(results)
 
 
+def test_context_bench_shared_context():
+    """--shared-context: a kind's prompts share their long part, prefilled once (each other
+    prompt prefills only its question), and differ in the question; batched outputs equal."""
+    from mlx_dflash.bench_context import run_context_bench
+
+    model = make_target("qwen3", vocab_size=96)
+    tok = make_tokenizer(96, eos_id=96)
+    tok._tokenizer.chat_template = ("{% for m in messages %}w3 {{ m['content'] }} "
+                                    "{% endfor %}w4")
+    turns = [(f"w{5 + i} w6 w7", f"w8 w9 w{10 + i}") for i in range(40)]
+    results = run_context_bench(model, make_drafter(model, block_size=4), tok, [160],
+                                turns=turns, questions=["w11 w12", "w13 w14 w15"], prompts=1,
+                                max_tokens=8, concurrency=[2], compare_prefill=False,
+                                shared_context=True, progress=False)
+    assert results["settings"]["shared_context"]
+    for kind in ("code", "chat"):
+        row = results["lengths"]["160"][kind]
+        first, second = row["prefilled_tokens"]
+        assert first > 60 and 0 < second < first // 4
+        assert row["concurrency2"]["outputs_differing_from_plain"] == 0
+        assert row["speculative"]["auto"]["outputs_differing_from_plain"] == 0
+
+
 def test_structured_bench_on_a_tiny_pair():
     """The structured-output bench: four variants per task; the schema variants parse and
     validate (or are cut by max_tokens), the speculative one equals plain constrained

@@ -62,6 +62,10 @@ def bench(
                                            "many last context positions; repeatable."),
     kind: List[str] = typer.Option([], "--kind", help="With --context: only prompts of this "
                                    "kind (code or chat; repeatable). Default: both."),
+    shared_context: bool = typer.Option(False, "--shared-context", help="With --context: a "
+                                        "kind's prompts share their long part (one source "
+                                        "text or chat history, prefilled once) and differ in "
+                                        "the last question, as an agent's requests do."),
     prefill_compare: bool = typer.Option(True, "--prefill-compare/--no-prefill-compare",
                                          help="With --context: also time mlx-lm's prefill of "
                                          "the first prompt of each kind (one more prefill)."),
@@ -97,6 +101,8 @@ def bench(
     lengths = [parse_length(c) for c in context]
     if draft_window and not lengths:
         fail("--draft-window variants are part of the long-context bench (--context)")
+    if shared_context and not lengths:
+        fail("--shared-context shapes the long-context bench's prompts (--context)")
     if kind and not lengths:
         fail("--kind chooses the long-context bench's prompts (--context)")
     unknown = sorted(set(kind) - {"code", "chat"})
@@ -125,6 +131,7 @@ def bench(
                                     questions=questions, prompts=limit or 2,
                                     max_tokens=max_tokens, concurrency=concurrency,
                                     windows=draft_window, compare_prefill=prefill_compare,
+                                    shared_context=shared_context,
                                     kinds=tuple(kind) or ("code", "chat"))
         table = format_context_table
     elif concurrency:

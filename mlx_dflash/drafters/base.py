@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 
+from .. import attention
 from ..accept import CandidateProposal, SamplingParams
 
 if TYPE_CHECKING:
@@ -73,21 +74,25 @@ class BatchDrafter(Protocol):
 def propose_all(drafter: Drafter, target: Any, anchors: list[mx.array], caches: list[list[Any]],
                 width: int, counts: list[int], params: list[SamplingParams]) -> list[Proposal]:
     """Drafts for several requests: one batched pass where the drafter has one (and there is
-    more than one request), else one ``propose`` each."""
-    if len(anchors) > 1 and isinstance(drafter, BatchDrafter):
-        return drafter.propose_batch(target, mx.concatenate(anchors), caches, width, counts,
-                                     params)
-    return [drafter.propose(target, a, c, width, K, p)
-            for a, c, K, p in zip(anchors, caches, counts, params)]
+    more than one request), else one ``propose`` each. Every drafter pass of the decode loop is
+    built here or in :func:`grow_trees`, with the target's CPU attention (attention.py): at 16k
+    tokens of context it halves the drafter's attention."""
+    with attention.on_cpu():
+        if len(anchors) > 1 and isinstance(drafter, BatchDrafter):
+            return drafter.propose_batch(target, mx.concatenate(anchors), caches, width, counts,
+                                         params)
+        return [drafter.propose(target, a, c, width, K, p)
+                for a, c, K, p in zip(anchors, caches, counts, params)]
 
 
 def grow_trees(drafter: Any, target: Any, anchors: list[mx.array], caches: list[list[Any]],
                width: int, beam: int) -> list[tuple[mx.array, mx.array, mx.array]]:
     """Tree candidates (tree.grow_tree's, lazy) for several requests: one batched pass where
     the drafter has one (and there is more than one request), else one ``grow_tree`` each."""
-    if len(anchors) > 1 and hasattr(drafter, "grow_trees"):
-        return drafter.grow_trees(target, mx.concatenate(anchors), caches, width, beam)
-    return [drafter.grow_tree(target, a, c, width, beam) for a, c in zip(anchors, caches)]
+    with attention.on_cpu():
+        if len(anchors) > 1 and hasattr(drafter, "grow_trees"):
+            return drafter.grow_trees(target, mx.concatenate(anchors), caches, width, beam)
+        return [drafter.grow_tree(target, a, c, width, beam) for a, c in zip(anchors, caches)]
 
 
 LOOKUP_WIDTH = 8  # most tokens a cycle of lookup drafts only verifies (the anchor and 7)
