@@ -216,10 +216,10 @@ def run_context_bench(model: Any, drafter: Any, tokenizer: Any, lengths: Sequenc
             "pass_costs": pass_costs(model, drafter, length, width, windows)}
         for kind in kinds:
             n = max(prompts, *concurrency) if concurrency else prompts
-            source = (lambda i: 0) if shared_context else (lambda i: i)
-            toks = [code_prompt(tokenizer, length, source(i), i) if kind == "code" else
-                    chat_prompt(tokenizer, length, source(i), turns, questions, i)
-                    for i in range(n)]
+            sources = [0 if shared_context else i for i in range(n)]  # the long part's
+            toks = [code_prompt(tokenizer, length, s, i) if kind == "code" else
+                    chat_prompt(tokenizer, length, s, turns, questions, i)
+                    for i, s in enumerate(sources)]
             pairs, prefill_n, prefill_s = [], [], []
             for t in toks:
                 pair, done, s = prefilled(model, drafter, t, pairs[0] if shared_context and pairs
