@@ -31,6 +31,7 @@ from mlx_dflash.default_pair import load_default
 from mlx_dflash.drafters.base import verify_width
 from mlx_dflash.schedule import best_times, snapshot_passes
 from mlx_dflash.target import Target
+from report import report
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
@@ -95,12 +96,6 @@ def under(switch: str, fn):
     return run
 
 
-def write(result: dict, out: str | None) -> None:
-    if out:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--crossover", action="store_true")
@@ -113,14 +108,14 @@ def main() -> None:
     if args.crossover:
         result = {"machine": machine(),
                   "mlx": mx.__version__, "crossover": crossover(args.rounds)}
-        return write(result, args.out)
+        return report(result, args.out, show=False)
     model, drafter, _ = load_default(progress=False)
     target = Target(model)
     if args.drafter:
         result = {"machine": machine(),
                   "mlx": mx.__version__, "drafter": drafter_passes(target, drafter, args.contexts,
                                                                      args.rounds)}
-        return write(result, args.out)
+        return report(result, args.out, show=False)
     rows = []
     # Default malloc first: raised thresholds cannot be lowered back to glibc's dynamic ones.
     for malloc in ("glibc default", "thresholds 1 GiB"):
@@ -141,7 +136,7 @@ def main() -> None:
     result = {"machine": machine(),
               "blas": Path(mlx_dflash._blas.sgemm_provider() or "default").name,
               "mlx": mx.__version__, "rows": rows}
-    write(result, args.out)
+    report(result, args.out, show=False)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,7 @@ under MLX's, interleaved on the structured bench's tasks, each order once; repli
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import types
 
 import mlx_dflash  # noqa: F401  (the fast BLAS, before mlx)
@@ -18,16 +16,13 @@ from mlx_dflash import attention
 from mlx_dflash.bench import _speculative
 from mlx_dflash.bench_structured import read_tasks, task_prompt
 from mlx_dflash.default_pair import load_default
+from report import report, task_options
 
 MLX_ONLY = types.SimpleNamespace(on_cpu=contextlib.nullcontext)  # the drafter's passes as before
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tasks", type=int, default=8)
-    ap.add_argument("-n", type=int, default=128)
-    ap.add_argument("--out")
-    args = ap.parse_args()
+    args = task_options(tasks=8, max_tokens=128)
     model, drafter, tokenizer = load_default(progress=False)
     tasks = read_tasks()[: args.tasks]
     totals = {"ours": [0, 0.0], "mlx": [0, 0.0]}  # tokens, seconds
@@ -50,10 +45,7 @@ def main() -> None:
     summary["ours_vs_mlx"] = summary["ours"]["tokens_per_s"] / summary["mlx"]["tokens_per_s"]
     result = {"mlx": mx.__version__, "tasks": len(tasks), "max_tokens": args.n,
               "replies_equal": equal, "runs": 2 * len(tasks), "summary": summary}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,13 @@ before each target pass, with no forced tokens to pay for them.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 
 import mlx_dflash  # noqa: F401  (the fast BLAS, before mlx)
 import mlx.core as mx
 from mlx_dflash import Grammar, load_default, stream_generate
 from mlx_dflash.bench_structured import read_tasks, task_prompt
+from report import report, task_options
 
 
 def run(model, drafter, tokenizer, prompt, max_tokens, grammar):
@@ -28,11 +27,7 @@ def run(model, drafter, tokenizer, prompt, max_tokens, grammar):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tasks", type=int, default=8)
-    ap.add_argument("-n", type=int, default=128)
-    ap.add_argument("--out")
-    args = ap.parse_args()
+    args = task_options(tasks=8, max_tokens=128)
     model, drafter, tokenizer = load_default(progress=False)
     anything = Grammar.regex(r"(?s:.*)")
     totals = {"free": [0, 0.0, 0], "any": [0, 0.0, 0]}
@@ -55,10 +50,7 @@ def main() -> None:
     summary["any_vs_free"] = summary["any"]["tokens_per_s"] / summary["free"]["tokens_per_s"]
     result = {"mlx": mx.__version__, "tasks": len(tasks), "max_tokens": args.n,
               "replies_equal": equal, "summary": summary}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,12 @@ context, `bench_context.prefilled`) and mlx-lm's `stream_generate` on the same c
 from __future__ import annotations
 
 import argparse
-import json
 
 import mlx_dflash  # noqa: F401  (the fast BLAS, before mlx)
 import mlx.core as mx
 from mlx_dflash.bench_context import code_prompt, mlx_lm_prefill_tps, prefilled
 from mlx_dflash.default_pair import load_default
+from report import report
 
 
 def main() -> None:
@@ -28,10 +28,7 @@ def main() -> None:
     result = {"mlx": mx.__version__, "prompt_tokens": len(tokens),
               "ours_tokens_per_s": done / seconds,
               "mlx_lm_tokens_per_s": mlx_lm_prefill_tps(model, tokenizer, tokens)}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

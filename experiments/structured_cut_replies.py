@@ -16,6 +16,7 @@ from mlx_dflash.bench import _speculative
 from mlx_dflash.bench_structured import _valid, read_tasks, task_prompt
 from mlx_dflash.default_pair import load_default
 from mlx_dflash.grammar import Grammar
+from report import report
 
 
 def main() -> None:
@@ -35,9 +36,7 @@ def main() -> None:
                "tokens_per_s": len(out) / seconds}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"max_tokens": args.n, "tasks": rows}, f, indent=1)
+    report({"max_tokens": args.n, "tasks": rows}, args.out, show=False)
 
 
 if __name__ == "__main__":

@@ -8,21 +8,16 @@ interleaved task by task, on the shipped extraction tasks.
 
 from __future__ import annotations
 
-import argparse
-import json
 
 import mlx_dflash  # noqa: F401  (the fast BLAS, before mlx)
 import mlx.core as mx
 from mlx_dflash import Grammar, attention, load_default
 from mlx_dflash.bench_structured import _plain, read_tasks, task_prompt
+from report import report, task_options
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tasks", type=int, default=24)
-    ap.add_argument("-n", type=int, default=256)
-    ap.add_argument("--out")
-    args = ap.parse_args()
+    args = task_options(tasks=24, max_tokens=256)
     model, _, tokenizer = load_default(progress=False)
     totals = {"mlx": [0, 0.0], "ours": [0, 0.0]}
     equal = 0
@@ -42,10 +37,7 @@ def main() -> None:
     result = {"mlx": mx.__version__, "tasks": args.tasks, "max_tokens": args.n,
               "tokens_per_s": tps, "ours_vs_mlx": tps["ours"] / tps["mlx"],
               "replies_equal": equal}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    report(result, args.out)
 
 
 if __name__ == "__main__":
