@@ -74,16 +74,22 @@ def test_batch_bench_with_staggered_arrivals():
         assert v["seconds"] >= 0.4  # the last request arrives 0.4 s in
 
 
+def _context_pair():
+    """A tiny target, a word tokenizer with a chat template, and chat turns for the
+    long-context bench."""
+    model = make_target("qwen3", vocab_size=96)
+    tok = make_tokenizer(96, eos_id=96)
+    tok._tokenizer.chat_template = ("{% for m in messages %}w3 {{ m['content'] }} "
+                                    "{% endfor %}w4")
+    return model, tok, [(f"w{5 + i} w6 w7", f"w8 w9 w{10 + i}") for i in range(40)]
+
+
 def test_context_bench_on_tiny_pair():
     """The long-context bench: prompts near each length, plain against auto and a drafter
     window, alone and batched, every output equal to plain."""
     from mlx_dflash.bench_context import format_context_table, run_context_bench
 
-    model = make_target("qwen3", vocab_size=96)
-    tok = make_tokenizer(96, eos_id=96)
-    tok._tokenizer.chat_template = ("{% for m in messages %}w3 {{ m['content'] }} "
-                                    "{% endfor %}w4")
-    turns = [(f"w{5 + i} w6 w7", f"w8 w9 w{10 + i}") for i in range(40)]
+    model, tok, turns = _context_pair()
     results = run_context_bench(model, make_drafter(model, block_size=4), tok, [64, 160],
                                 turns=turns, questions=["w11 w12"], prompts=1, max_tokens=8,
                                 concurrency=[2], windows=[16], compare_prefill=False,
@@ -107,11 +113,7 @@ def test_context_bench_shared_context():
     prompt prefills only its question), and differ in the question; batched outputs equal."""
     from mlx_dflash.bench_context import run_context_bench
 
-    model = make_target("qwen3", vocab_size=96)
-    tok = make_tokenizer(96, eos_id=96)
-    tok._tokenizer.chat_template = ("{% for m in messages %}w3 {{ m['content'] }} "
-                                    "{% endfor %}w4")
-    turns = [(f"w{5 + i} w6 w7", f"w8 w9 w{10 + i}") for i in range(40)]
+    model, tok, turns = _context_pair()
     results = run_context_bench(model, make_drafter(model, block_size=4), tok, [160],
                                 turns=turns, questions=["w11 w12", "w13 w14 w15"], prompts=1,
                                 max_tokens=8, concurrency=[2], compare_prefill=False,
